@@ -1,0 +1,11 @@
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+namespace deep_gemm::apis::heuristics {
+
+inline void register_apis(pybind11::module_& m) {
+    (void)m;  // TODO: filled by its owner
+}
+
+}  // namespace deep_gemm::apis::heuristics
