@@ -25,6 +25,12 @@ def package_headers() -> list:
             for d, _, files in os.walk(root) for f in files if f.endswith(('.cuh', '.hpp', '.h'))]
 
 
+def csrc_headers() -> list:
+    # Header-only C++: list them so that `build_ext` rebuilds when any of them changes
+    return [os.path.join(d, f) for root in ('csrc', os.path.join('deep_gemm', 'include'))
+            for d, _, files in os.walk(root) for f in files if f.endswith(('.hpp', '.cuh', '.h'))]
+
+
 cuda_home = find_cuda_home()
 ext = Pybind11Extension(
     'deep_gemm._C',
@@ -33,6 +39,7 @@ ext = Pybind11Extension(
     cxx_std=20,
     extra_compile_args=['-O2', '-Wno-unused-function'],
     libraries=['dl'],
+    depends=csrc_headers(),
 )
 
 setup(

@@ -1,11 +1,59 @@
 #pragma once
 
+// Python entry of the Mega MoE launcher. Tensor checks happen in Python (deep_gemm/mega/api.py),
+// which hands over plain addresses; this layer only converts and launches.
+
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "../jit_kernels/impls/sm90_fp8_mega_moe.hpp"
 
 namespace deep_gemm::apis::mega_moe {
 
-inline void register_apis(pybind11::module_& m) {
-    (void)m;  // TODO: filled by its owner
+namespace py = pybind11;
+
+inline void register_apis(py::module_& m) {
+    m.def("launch_mega_moe",
+          [](int mma_type, const std::vector<int64_t>& buffers, int rank, int num_experts, int num_max_tokens_per_rank,
+             int num_topk, int hidden, int intermediate_hidden, int num_tokens, int64_t y, int64_t l1_weights,
+             int64_t l1_weight_scales, int64_t l2_weights, int64_t l2_weight_scales, int64_t stats, int64_t host_status,
+             int64_t stream, double activation_clamp, bool fast_math, double timeout_s, int num_sms, int max_smem_bytes) {
+              if (buffers.empty() or buffers.size() > static_cast<size_t>(kMaxRanks))
+                  throw std::invalid_argument("buffers: expected 1.." + std::to_string(kMaxRanks) + " peer addresses");
+              if (rank < 0 or rank >= static_cast<int>(buffers.size()))
+                  throw std::invalid_argument("rank: expected 0 <= rank < " + std::to_string(buffers.size()));
+              jit_kernels::SM90MegaMoEArgs a{static_cast<MmaType>(mma_type), buffers, rank, num_experts,
+                                             num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden, num_tokens,
+                                             y, l1_weights, l1_weight_scales, l2_weights, l2_weight_scales, stats,
+                                             host_status, stream, activation_clamp, fast_math, timeout_s, num_sms,
+                                             max_smem_bytes};
+              const auto config = jit_kernels::launch_sm90_mega_moe(a);
+              return config.to_string();
+          },
+          py::arg("mma_type"), py::arg("buffers"), py::arg("rank"), py::arg("num_experts"),
+          py::arg("num_max_tokens_per_rank"), py::arg("num_topk"), py::arg("hidden"), py::arg("intermediate_hidden"),
+          py::arg("num_tokens"), py::arg("y"), py::arg("l1_weights"), py::arg("l1_weight_scales"), py::arg("l2_weights"),
+          py::arg("l2_weight_scales"), py::arg("stats"), py::arg("host_status"), py::arg("stream"),
+          py::arg("activation_clamp"), py::arg("fast_math"), py::arg("timeout_s"), py::arg("num_sms"),
+          py::arg("max_smem_bytes"),
+          "Launch one rank's Mega MoE kernel (addresses as ints; validated by deep_gemm.mega.api). "
+          "Returns the config string.");
+
+    m.def("compile_mega_moe",
+          [](int mma_type, int block_m, int num_stages, bool fast_math) {
+              return jit_kernels::SM90MegaMoEVariant{static_cast<MmaType>(mma_type), block_m, num_stages, fast_math}
+                  .compile().string();
+          },
+          py::arg("mma_type"), py::arg("block_m"), py::arg("num_stages"), py::arg("fast_math") = true,
+          "Compile (or fetch from DG_JIT_CACHE_DIR) one Mega MoE kernel variant for sm_90a; works without a GPU. "
+          "Returns the kernel's cache directory.");
+
+    m.def("get_mega_moe_kernel_source",
+          [](int mma_type, int block_m, int num_stages, bool fast_math) {
+              return jit_kernels::SM90MegaMoEVariant{static_cast<MmaType>(mma_type), block_m, num_stages, fast_math}.source();
+          },
+          py::arg("mma_type"), py::arg("block_m"), py::arg("num_stages"), py::arg("fast_math") = true,
+          "The generated source of one Mega MoE kernel variant (for inspection).");
 }
 
 }  // namespace deep_gemm::apis::mega_moe

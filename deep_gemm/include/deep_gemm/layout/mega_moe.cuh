@@ -39,11 +39,13 @@ constexpr int kControlEpoch = 0;          // number of calls completed on this b
 constexpr int kControlTaskQueue = 1;      // next task index of the dynamic scheduler
 constexpr int kControlExitedCtas = 2;     // CTAs that left the current call
 constexpr int kControlL2TasksDone = 3;    // L2 tasks finished in the current call
-constexpr int kControlCombineDone = 4;    // combine tasks finished in the current call
+constexpr int kControlCountClaim = 4;     // the first CTA to take ticket 0 counts and sends this rank's tokens
+constexpr int kControlNumMBlocks = 5;     // M-blocks of the current call (for the end-of-call reset)
 
-// Status word 0 holds the first error of a call (0 = ok); see `deep_gemm/comm/status.cuh`.
+// Status words: the first error of a call (0 = ok) and whether it was fatal (the call stopped
+// working and the workspace needs `reset()`); encoding in `deep_gemm/impls/mega_moe_params.cuh`.
 constexpr int kStatusError = 0;
-constexpr int kStatusDetail = 1;
+constexpr int kStatusAbort = 1;
 
 struct Section {
     int64_t offset;

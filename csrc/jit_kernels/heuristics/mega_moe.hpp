@@ -1,0 +1,182 @@
+#pragma once
+
+// Config choice of the SM90 Mega MoE kernel: pure C++ (no CUDA), unit-tested through
+// `deep_gemm._C.get_mega_moe_config` (tests/test_heuristics.py).
+//
+// The config becomes the kernel's template arguments, so everything here is a compile-time constant
+// of one generated kernel; the only inputs are the layer shape, the caller's token count, the SMs the
+// kernel may occupy and the shared memory of one SM.
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <mutex>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <unordered_set>
+
+#include <deep_gemm/common/types.cuh>
+#include <deep_gemm/impls/mega_moe_params.cuh>
+#include <deep_gemm/layout/mega_moe.cuh>
+
+namespace deep_gemm {
+
+// Tile constants shared by every config
+namespace mega_moe_tiles {
+// L1 N-block: 128 gate + 128 up columns, interleaved in the weight layout by
+// `transform_weights_for_mega_moe`, so one thread's accumulators hold both halves of SwiGLU.
+constexpr int kBlockNL1 = 256;
+// L2 N-block (hidden columns of the BF16 output tile)
+constexpr int kBlockNL2 = 128;
+// Threads of one warpgroup
+constexpr int kNumWarpgroupThreads = 128;
+// Rows of an M-block one math warpgroup owns (WGMMA M = 64)
+constexpr int kWarpgroupBlockM = 64;
+// One 128-byte swizzle row of K: 128 FP8 or 64 BF16 elements
+constexpr int kSwizzleBytes = 128;
+// Pipelines shallower than this cannot overlap TMA with WGMMA; deeper ones stop paying off
+constexpr int kMinStages = 2;
+constexpr int kMaxStages = 8;
+// Every Hopper part the kernel targets (H100/H200: 227 KB opt-in per block)
+constexpr int kSM90MaxSmemBytes = 232448;
+}  // namespace mega_moe_tiles
+
+struct MegaMoEConfig {
+    MmaType mma_type;
+    int block_m;               // 64 or 128 pool rows per M-block
+    int num_math_warpgroups;   // block_m / 64: each math warpgroup owns 64 rows
+    int block_n_l1;            // 256: 128 gate + 128 up columns
+    int block_n_l2;            // 128
+    int block_k;               // 128 (FP8) or 64 (BF16): one 128-byte swizzle row
+    int num_stages;            // TMA -> WGMMA pipeline depth
+    int num_sms;               // CTAs of the persistent grid
+    int num_experts_per_wave;  // local experts scheduled together
+    int smem_bytes;            // dynamic shared memory of one CTA
+    int num_threads;           // 128 * (1 + num_math_warpgroups)
+
+    // Shared-memory breakdown (smem_bytes = stages * per_stage + epilogue + barriers)
+    int smem_a_per_stage;
+    int smem_b_per_stage;
+    int smem_epilogue;
+    int smem_barriers;
+
+    bool operator==(const MegaMoEConfig&) const = default;
+
+    std::string to_string() const {
+        static constexpr const char* kNames[] = {"fp8xfp4", "fp8xfp8", "bf16xbf16"};
+        std::ostringstream os;
+        os << "MegaMoEConfig(mma_type=" << kNames[static_cast<int>(mma_type)] << ", block_m=" << block_m
+           << ", block_n_l1=" << block_n_l1 << ", block_n_l2=" << block_n_l2 << ", block_k=" << block_k
+           << ", num_stages=" << num_stages << ", num_math_warpgroups=" << num_math_warpgroups
+           << ", num_threads=" << num_threads << ", num_sms=" << num_sms
+           << ", num_experts_per_wave=" << num_experts_per_wave << ", smem_bytes=" << smem_bytes
+           << " (stage A " << smem_a_per_stage << " + B " << smem_b_per_stage << ", epilogue " << smem_epilogue
+           << ", barriers " << smem_barriers << "))";
+        return os.str();
+    }
+};
+
+[[noreturn]] inline void throw_invalid_config_arg(const std::string& name, long long value, const std::string& expected) {
+    std::ostringstream os;
+    os << "Mega MoE config: " << name << " = " << value << " is invalid: expected " << expected;
+    throw std::invalid_argument(os.str());
+}
+
+// `num_expected_tokens_per_rank` is the caller's `n` (tokens this call), `num_sms` the SMs the
+// persistent grid may use (not necessarily the whole GPU), `max_smem_bytes` the opt-in shared memory
+// of one block (232448 on H100/H200).
+inline MegaMoEConfig get_mega_moe_config(MmaType mma_type, int num_ranks, int num_experts, int num_topk,
+                                         int hidden, int intermediate_hidden, int num_expected_tokens_per_rank,
+                                         int num_sms, int max_smem_bytes) {
+    using namespace mega_moe_tiles;
+    if (static_cast<int>(mma_type) < 0 or static_cast<int>(mma_type) > 2)
+        throw_invalid_config_arg("mma_type", static_cast<int>(mma_type), "0 (fp8xfp4), 1 (fp8xfp8) or 2 (bf16xbf16)");
+    if (num_ranks < 1 or num_ranks > kMaxRanks)
+        throw_invalid_config_arg("num_ranks", num_ranks, "1 <= num_ranks <= " + std::to_string(kMaxRanks));
+    if (num_experts <= 0 or num_experts % num_ranks != 0)
+        throw_invalid_config_arg("num_experts", num_experts, "a positive multiple of num_ranks = " + std::to_string(num_ranks));
+    if (num_topk <= 0 or num_topk > num_experts)
+        throw_invalid_config_arg("num_topk", num_topk, "1 <= num_topk <= num_experts = " + std::to_string(num_experts));
+    if (hidden <= 0 or hidden % kScaleGranularity != 0)
+        throw_invalid_config_arg("hidden", hidden, "a positive multiple of " + std::to_string(kScaleGranularity));
+    if (intermediate_hidden <= 0 or intermediate_hidden % kScaleGranularity != 0)
+        throw_invalid_config_arg("intermediate_hidden", intermediate_hidden, "a positive multiple of " + std::to_string(kScaleGranularity));
+    if (num_expected_tokens_per_rank < 0)
+        throw_invalid_config_arg("num_tokens", num_expected_tokens_per_rank, "a non-negative token count");
+    if (num_sms <= 0)
+        throw_invalid_config_arg("num_sms", num_sms, "a positive number of SMs");
+    if (max_smem_bytes <= 0)
+        throw_invalid_config_arg("max_smem_bytes", max_smem_bytes, "a positive byte count (232448 on H100/H200)");
+
+    MegaMoEConfig c{};
+    c.mma_type = mma_type;
+    const int num_local_experts = num_experts / num_ranks;
+
+    // Expected tokens one local expert receives: each of the R ranks sends n * topk (token, expert)
+    // pairs spread over E experts. Exact in int64 (n * R * topk < 2^31 * 8 * 2^31).
+    const int64_t num_routed_pairs = static_cast<int64_t>(num_expected_tokens_per_rank) * num_ranks * num_topk;
+    // BLOCK_M = 64 when an expert's tokens fit one WGMMA M of 64: a 128-row block would be at least
+    // half padding, and two 64-row M-blocks give the scheduler twice the parallelism per expert.
+    // Above that, 128 rows halve the weight re-reads per token (weights are read once per M-block).
+    c.block_m = num_routed_pairs <= static_cast<int64_t>(kWarpgroupBlockM) * num_experts ? 64 : 128;
+    static_assert(layout::kMinBlockM <= 64 and 128 <= layout::kMaxBlockM and layout::kMaxBlockM % 128 == 0,
+                  "the buffer's pools must be padded for both BLOCK_M choices");
+    c.num_math_warpgroups = c.block_m / kWarpgroupBlockM;
+    c.num_threads = kNumWarpgroupThreads * (1 + c.num_math_warpgroups);  // warpgroup 0: TMA + dispatch/combine
+    c.block_n_l1 = kBlockNL1;
+    c.block_n_l2 = kBlockNL2;
+    c.block_k = kSwizzleBytes / activation_bytes(mma_type);
+
+    // Shared memory, from the kernel's own budget (deep_gemm/impls/mega_moe_params.cuh). Per stage:
+    // the A tile (block_m rows x one 128-byte swizzle row of K) and the largest B tile (L1: 256 rows
+    // x 128 bytes; L2's 128-row tile fits in it, and so does BF16's 256 x 64 x 2 B). Fixed: the
+    // epilogue staging tile (L2's padded BF16 block_m x 128), the barriers / scheduler tables, and
+    // 1024 bytes to re-align the dynamic shared-memory base for the 128B-swizzled tiles.
+    c.smem_a_per_stage = c.block_m * kSwizzleBytes;
+    c.smem_b_per_stage = c.block_n_l1 * kSwizzleBytes;
+    c.smem_epilogue = mega_moe_epilogue_bytes(c.block_m);
+    const int per_stage = c.smem_a_per_stage + c.smem_b_per_stage;
+    static_assert(mega_moe_stage_bytes(64) == 64 * kSwizzleBytes + kBlockNL1 * kSwizzleBytes);
+    int num_stages = kMaxStages;
+    while (num_stages >= kMinStages and mega_moe_smem_bytes(c.block_m, num_stages) > max_smem_bytes) --num_stages;
+    if (num_stages < kMinStages) {
+        std::ostringstream os;
+        os << "Mega MoE config: max_smem_bytes = " << max_smem_bytes << " fits fewer than " << kMinStages
+           << " pipeline stages of " << per_stage << " bytes (block_m = " << c.block_m
+           << "); expected max_smem_bytes >= " << mega_moe_smem_bytes(c.block_m, kMinStages);
+        throw std::invalid_argument(os.str());
+    }
+    c.num_stages = num_stages;
+    c.smem_bytes = mega_moe_smem_bytes(c.block_m, num_stages);
+    c.smem_barriers = c.smem_bytes - num_stages * per_stage - c.smem_epilogue;
+    c.num_sms = num_sms;
+
+    // Experts per wave: the L1 tasks of one local expert are its expected M-blocks times the
+    // 2I / 256 N-blocks. Scheduling a wave of experts together keeps the weights of a few experts hot
+    // in L2 cache while still handing every SM a task; take the fewest experts whose tasks cover all
+    // SMs once, so small experts (decode) are batched and large ones (prefill) run one at a time.
+    const int64_t expected_mblocks = max_of<int64_t>(1, ceil_div<int64_t>(num_routed_pairs, static_cast<int64_t>(c.block_m) * num_experts));
+    const int64_t l1_tasks_per_expert = expected_mblocks * (2 * static_cast<int64_t>(intermediate_hidden) / c.block_n_l1);
+    c.num_experts_per_wave = static_cast<int>(min_of<int64_t>(num_local_experts, ceil_div<int64_t>(num_sms, l1_tasks_per_expert)));
+    return c;
+}
+
+// Prints `config` to stdout when `DG_PRINT_CONFIGS=1`, once per distinct config for the life of the
+// process (a serving loop would otherwise print on every call). Returns whether it printed.
+inline bool print_config_if_requested(const MegaMoEConfig& config) {
+    const char* env = std::getenv("DG_PRINT_CONFIGS");
+    if (env == nullptr or std::string(env) != "1")
+        return false;
+    static std::mutex mutex;
+    static std::unordered_set<std::string> printed;
+    const std::string text = config.to_string();
+    std::lock_guard<std::mutex> lock(mutex);
+    if (not printed.insert(text).second)
+        return false;
+    std::printf("[deep_gemm] %s\n", text.c_str());
+    std::fflush(stdout);
+    return true;
+}
+
+}  // namespace deep_gemm

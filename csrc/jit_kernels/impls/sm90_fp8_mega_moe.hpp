@@ -1,0 +1,127 @@
+#pragma once
+
+// Runtime of `deep_gemm/include/deep_gemm/impls/sm90_fp8_mega_moe.cuh`: code generation (the
+// config becomes template arguments), tensor maps, launch. Shapes stay run-time values, so a
+// handful of variants (format x BLOCK_M x stages x fast math) cover every model.
+
+#include <cmath>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <deep_gemm/impls/mega_moe_params.cuh>
+
+#include "../../jit/compiler.hpp"
+#include "../../jit/kernel_runtime.hpp"
+#include "../../jit/tma.hpp"
+#include "../heuristics/mega_moe.hpp"
+
+namespace deep_gemm::jit_kernels {
+
+inline const char* mma_type_cpp_name(MmaType t) {
+    switch (t) {
+        case MmaType::kFP8xFP4: return "deep_gemm::MmaType::kFP8xFP4";
+        case MmaType::kFP8xFP8: return "deep_gemm::MmaType::kFP8xFP8";
+        default: return "deep_gemm::MmaType::kBF16xBF16";
+    }
+}
+
+struct SM90MegaMoEVariant {
+    MmaType mma_type;
+    int block_m, num_stages;
+    bool fast_math;
+
+    std::string name() const {
+        static constexpr const char* kNames[] = {"fp8xfp4", "fp8xfp8", "bf16xbf16"};
+        std::ostringstream os;
+        os << "sm90_mega_moe_" << kNames[static_cast<int>(mma_type)] << "_m" << block_m << "_s" << num_stages
+           << (fast_math ? "_fast" : "_exact");
+        return os.str();
+    }
+
+    std::string source() const {
+        std::ostringstream os;
+        os << "#include <deep_gemm/impls/sm90_fp8_mega_moe.cuh>\n\n"
+           << "DG_DEFINE_SM90_MEGA_MOE_KERNEL(sm90_mega_moe, " << mma_type_cpp_name(mma_type) << ", " << block_m << ", "
+           << num_stages << ", " << (fast_math ? "true" : "false") << ")\n";
+        return os.str();
+    }
+
+    // Compile (or find in the cache) on any machine, GPU or not
+    std::filesystem::path compile() const {
+        if (mma_type == MmaType::kFP8xFP4)
+            throw std::runtime_error("deep_gemm: the FP8 x FP4 Mega MoE kernel is not built yet (issue 4); "
+                                     "use fp8_mega_moe or bf16_mega_moe");
+        return jit::compile(name(), source());
+    }
+};
+
+// Everything one launch needs, as plain integers from Python (no torch in C++)
+struct SM90MegaMoEArgs {
+    MmaType mma_type;
+    std::vector<int64_t> buffers;   // every rank's buffer base address
+    int rank, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden;
+    int num_tokens;
+    int64_t y, l1_weights, l1_weight_scales, l2_weights, l2_weight_scales, stats, host_status, stream;
+    double activation_clamp;        // <= 0 or inf: none
+    bool fast_math;
+    double timeout_s;
+    int num_sms;                    // CTAs for this rank's launch
+    int max_smem_bytes;
+};
+
+inline CUtensorMap make_kmajor_tma(int64_t ptr, CUtensorMapDataType dtype, uint64_t k, uint64_t rows, uint32_t box_k,
+                                   uint32_t box_rows, uint64_t row_bytes) {
+    return jit::make_tma<2>(reinterpret_cast<void*>(ptr), dtype,
+                            {jit::TmaDim{k, box_k, 0, "K", "BLOCK_K", "-"},
+                             jit::TmaDim{rows, box_rows, row_bytes, "rows", "block rows", "row stride"}},
+                            CU_TENSOR_MAP_SWIZZLE_128B);
+}
+
+inline MegaMoEConfig launch_sm90_mega_moe(const SM90MegaMoEArgs& a) {
+    const int num_ranks = static_cast<int>(a.buffers.size());
+    const auto config = get_mega_moe_config(a.mma_type, num_ranks, a.num_experts, a.num_topk, a.hidden,
+                                                        a.intermediate_hidden, a.num_tokens, a.num_sms, a.max_smem_bytes);
+    print_config_if_requested(config);
+
+    const SM90MegaMoEVariant variant{a.mma_type, config.block_m, config.num_stages, a.fast_math};
+    auto& kernel = jit::get_kernel(variant.compile(), "sm90_mega_moe");
+
+    MegaMoEParams params{};
+    params.layout = layout::MegaMoELayout(num_ranks, a.num_experts, a.num_max_tokens_per_rank, a.num_topk, a.hidden,
+                                          a.intermediate_hidden, a.mma_type);
+    for (int r = 0; r < num_ranks; ++r) params.buffers[r] = reinterpret_cast<void*>(a.buffers[r]);
+    params.rank = a.rank;
+    params.num_tokens = a.num_tokens;
+    params.y = reinterpret_cast<void*>(a.y);
+    params.l1_weight_scales = reinterpret_cast<const float*>(a.l1_weight_scales);
+    params.l2_weight_scales = reinterpret_cast<const float*>(a.l2_weight_scales);
+    params.cumulative_local_expert_recv_stats = reinterpret_cast<int*>(a.stats);
+    params.activation_clamp = a.activation_clamp > 0 and std::isfinite(a.activation_clamp)
+                                  ? static_cast<float>(a.activation_clamp) : INFINITY;
+    params.timeout_ns = static_cast<uint64_t>(a.timeout_s * 1e9);
+    params.host_status = reinterpret_cast<uint64_t*>(a.host_status);
+
+    const auto& lay = params.layout;
+    const bool fp8 = is_fp8_activation(a.mma_type);
+    const auto dtype = fp8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+    const uint64_t act = activation_bytes(a.mma_type);
+    const uint32_t bk = static_cast<uint32_t>(mega_moe_block_k(a.mma_type));
+    const auto own = a.buffers[a.rank];
+    const uint64_t h = a.hidden, i = a.intermediate_hidden, e = lay.num_local_experts, rows = lay.num_pool_rows;
+    CUtensorMap tm_l1_act = make_kmajor_tma(own + lay.l1_act.offset, dtype, h, rows, bk, config.block_m, h * act);
+    CUtensorMap tm_l1_w = make_kmajor_tma(a.l1_weights, dtype, h, e * 2 * i, bk, kMegaMoEBlockNL1, h * act);
+    CUtensorMap tm_l2_act = make_kmajor_tma(own + lay.l2_act.offset, dtype, i, rows, bk, config.block_m, i * act);
+    CUtensorMap tm_l2_w = make_kmajor_tma(a.l2_weights, dtype, i, e * h, bk, kMegaMoEBlockNL2, i * act);
+
+    void* args[] = {&params, &tm_l1_act, &tm_l1_w, &tm_l2_act, &tm_l2_w};
+    jit::LaunchConfig launch_config;
+    launch_config.grid = {static_cast<uint32_t>(config.num_sms), 1, 1};
+    launch_config.block = {static_cast<uint32_t>(config.num_threads), 1, 1};
+    launch_config.smem_bytes = static_cast<uint32_t>(config.smem_bytes);
+    launch_config.stream = reinterpret_cast<CUstream>(a.stream);
+    jit::launch(kernel, launch_config, args);
+    return config;
+}
+
+}  // namespace deep_gemm::jit_kernels

@@ -1,0 +1,61 @@
+#pragma once
+
+// Runtime arguments of the Mega MoE kernel and its shared-memory budget: included by the host
+// launcher (csrc/jit_kernels/impls/sm90_fp8_mega_moe.hpp), the heuristics and the kernel, so the
+// struct and the byte counts are defined once.
+
+#include "../common/types.cuh"
+#include "../layout/mega_moe.cuh"
+
+namespace deep_gemm {
+
+// ---------------------------------------------------------------------------------------------
+// Status word (workspace status[kStatusError]): the first error of a call, 0 = ok.
+//   bits  0..7   code        bits 8..15  phase       bits 16..23 rank (the peer waited on, or own)
+//   bits 24..39  CTA index   bits 40..63 detail (token index, count, ...)
+enum class StatusCode : uint32_t { kOk = 0, kTimeout = 1, kBadExpertId = 2, kBadCount = 3, kDuplicateExpert = 4 };
+enum class Phase : uint32_t {
+    kNone = 0, kRecvCounts = 1, kPull = 2, kL1Wait = 3, kL2Wait = 4, kCombineWait = 5, kPipeline = 6, kCount = 7
+};
+
+DG_HOST_DEVICE constexpr uint64_t make_status(StatusCode code, Phase phase, uint32_t rank, uint32_t cta, uint64_t detail) {
+    return static_cast<uint64_t>(code) | (static_cast<uint64_t>(phase) << 8) | (static_cast<uint64_t>(rank & 0xff) << 16) |
+           (static_cast<uint64_t>(cta & 0xffff) << 24) | ((detail & 0xffffff) << 40);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Kernel shape constants shared by host and device
+constexpr int kMegaMoEBlockNL1 = 256;        // 128 gate + 128 up rows (interleaved by the transform)
+constexpr int kMegaMoEBlockNL2 = 128;
+constexpr int kMegaMoEMaxLocalExperts = 512; // scheduler tables in shared memory
+constexpr int kMegaMoETaskRing = 4;          // scheduler -> roles task ring depth
+constexpr int kMegaMoEEpilogueRowBytes = kMegaMoEBlockNL2 * 2 + 16;  // BF16 row + 16 B pad (bank spread)
+
+DG_HOST_DEVICE constexpr int mega_moe_block_k(MmaType t) { return 128 / activation_bytes(t); }
+DG_HOST_DEVICE constexpr int mega_moe_stage_bytes(int block_m) { return block_m * 128 + kMegaMoEBlockNL1 * 128; }
+DG_HOST_DEVICE constexpr int mega_moe_epilogue_bytes(int block_m) { return block_m * kMegaMoEEpilogueRowBytes; }
+// mbarriers (stages x 2 + ring x 2), ring slots, per-expert token counts and M-block table, scalars
+DG_HOST_DEVICE constexpr int mega_moe_control_smem_bytes(int num_stages) {
+    return align_up(num_stages * 16 + kMegaMoETaskRing * 20 + (2 * kMegaMoEMaxLocalExperts + 1) * 4 + 64, 1024);
+}
+DG_HOST_DEVICE constexpr int mega_moe_smem_bytes(int block_m, int num_stages) {
+    // +1024: the dynamic shared-memory base is re-aligned to 1024 B for the swizzled tiles
+    return num_stages * mega_moe_stage_bytes(block_m) + mega_moe_epilogue_bytes(block_m) +
+           mega_moe_control_smem_bytes(num_stages) + 1024;
+}
+
+struct MegaMoEParams {
+    layout::MegaMoELayout layout;
+    void* buffers[kMaxRanks];           // every rank's symmetric-buffer base (index = rank)
+    int rank;
+    int num_tokens;                     // this rank's n (<= num_max_tokens_per_rank)
+    void* y;                            // BF16 [n, hidden]
+    const float* l1_weight_scales;      // FP8: [E_local, 2I/128, H/128] (gate/up interleaved rows)
+    const float* l2_weight_scales;      // FP8: [E_local, H/128, I/128]
+    int* cumulative_local_expert_recv_stats;  // int32 [E_local] or nullptr
+    float activation_clamp;             // +inf when no clamp
+    uint64_t timeout_ns;
+    uint64_t* host_status;              // pinned, host-mapped mirror of the status word, or nullptr
+};
+
+}  // namespace deep_gemm

@@ -1,0 +1,810 @@
+#pragma once
+
+// The SM90 Mega MoE kernel: one persistent launch per rank does
+//   count/reserve -> pull -> L1 GEMM + SwiGLU (+clamp) x top-k weight (+FP8 re-quantization)
+//   -> L2 GEMM -> write-back into the source rank's combine slots -> combine into y.
+// FP8 x FP8 (per-128 FP32 promotion) and BF16 x BF16 share everything but the MMA loop.
+//
+// Scheduling: a dynamic task queue per rank (an atomic counter in the workspace). Task indices are
+// ordered so that every task depends only on tasks with smaller indices of its own rank or on
+// other ranks' progress:
+//     [pull: M] [L1: M x I/128] [L2: M x H/128] [combine: ceil(n / kCombineTokens)]
+// A CTA claims a task only when it is ready to run it, so a CTA that waits (on an M-block's
+// arrival counter, on L1 completion, on peers) waits for work that a running CTA already holds:
+// the kernel completes even when only some of its CTAs are resident (other streams on the GPU).
+//
+// Roles (warpgroup 0 is the producer side, warpgroups 1.. are math):
+//   warp 0, one lane   scheduler (claims tasks, feeds the task ring) + TMA producer
+//   warps 1..3         dispatch: pull tasks (copy routed tokens into the L1 pool) and combine
+//   math warpgroups    wgmma, promotion, epilogues; each owns 64 rows of a BLOCK_M tile
+//
+// Every spin-wait is bounded (params.timeout_ns); on timeout or a fatal error the kernel records a
+// status word, every CTA leaves, and the host raises (DESIGN.md §6).
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include "../mma/sm90_wgmma.cuh"
+#include "../ptx/sm90.cuh"
+#include "mega_moe_params.cuh"
+
+namespace deep_gemm::sm90_mega_moe {
+
+using namespace deep_gemm::ptx;
+namespace L = deep_gemm::layout;
+
+// Tokens summed by one combine task: small enough that decode gets several CTAs on it
+constexpr int kCombineTokensPerTask = 4;
+constexpr int kNumDispatchWarps = 3;
+constexpr int kNumDispatchThreads = kNumDispatchWarps * 32;
+// Named barrier ids (0 is __syncthreads)
+constexpr int kBarrierDispatch = 1;
+constexpr int kBarrierMathBase = 2;  // + math warpgroup index
+// Register quotas after `setmaxnreg` (384 threads: 128 x 40 + 256 x 232 <= 64K)
+constexpr int kProducerRegisters = 40;
+constexpr int kMathRegisters = 232;
+// How often a spin loop looks at the global status word and the clock
+constexpr uint32_t kPollMask = 63;
+
+struct SharedControl {
+    int first_task;
+    int did_count;
+    int late;          // peers already moved to the next call: nothing left here for this CTA
+    int abort;         // a fatal error was seen: leave
+    int is_last_cta;
+    int num_mblocks;
+    uint32_t epoch;
+};
+
+// Record the first error of the call (own buffer + host mirror); fatal ones also stop every CTA
+__device__ __forceinline__ void report(const MegaMoEParams& p, StatusCode code, Phase phase, uint32_t rank,
+                                       uint64_t detail, bool fatal, SharedControl* ctrl) {
+    auto* status = p.layout.get_ptr<unsigned long long>(p.buffers[p.rank], p.layout.status);
+    const uint64_t word = make_status(code, phase, rank, blockIdx.x, detail);
+    if (atomicCAS(&status[L::kStatusError], 0ull, word) == 0ull and p.host_status != nullptr)
+        *reinterpret_cast<volatile uint64_t*>(p.host_status) = word;
+    if (fatal) {
+        atomicExch(&status[L::kStatusAbort], 1ull);
+        if (p.host_status != nullptr) reinterpret_cast<volatile uint64_t*>(p.host_status)[1] = 1;
+        if (ctrl != nullptr) *reinterpret_cast<volatile int*>(&ctrl->abort) = 1;
+    }
+    __threadfence_system();
+}
+
+// Spin until `ready()`; false if the call was aborted (by this wait timing out or anyone else)
+template <typename Ready>
+__device__ __forceinline__ bool bounded_wait(const MegaMoEParams& p, SharedControl* ctrl, Phase phase, uint32_t peer, Ready&& ready) {
+    if (ready()) return true;
+    const auto* abort_word = p.layout.get_ptr<uint64_t>(p.buffers[p.rank], p.layout.status) + L::kStatusAbort;
+    const uint64_t start = globaltimer_ns();
+    for (uint32_t n = 1;; ++n) {
+        if (ready()) return true;
+        if ((n & kPollMask) == 0) {
+            if (*reinterpret_cast<volatile int*>(&ctrl->abort) or ld_volatile(abort_word) != 0) {
+                *reinterpret_cast<volatile int*>(&ctrl->abort) = 1;
+                return false;
+            }
+            if (globaltimer_ns() - start > p.timeout_ns) {
+                report(p, StatusCode::kTimeout, phase, peer, n, true, ctrl);
+                return false;
+            }
+        }
+    }
+}
+
+// fast: MUFU exp2 + approximate division (~2 ulp, far below the FP8 step); exact: IEEE expf and
+// division, whose slow paths are subroutine calls (a separate kernel variant, so the fast one stays lean)
+template <bool kFastMath>
+__device__ __forceinline__ float silu(float g) {
+    if constexpr (kFastMath) return __fdividef(g, 1.0f + __expf(-g));
+    else return g / (1.0f + expf(-g));
+}
+
+template <MmaType kMmaType, int BLOCK_M, int kNumStages, bool kFastMath>
+struct Kernel {
+    static_assert(kMmaType == MmaType::kFP8xFP8 or kMmaType == MmaType::kBF16xBF16,
+                  "FP8 x FP4 lands with issue 4");
+    static_assert(BLOCK_M == 64 or BLOCK_M == 128, "one or two math warpgroups of 64 rows");
+    static_assert(L::kMaxBlockM % BLOCK_M == 0 and BLOCK_M >= L::kMinBlockM, "pools are padded for kMinBlockM..kMaxBlockM");
+    static_assert(kNumStages >= 2, "pipeline needs at least double buffering");
+
+    static constexpr bool kFP8 = is_fp8_activation(kMmaType);
+    static constexpr int kActBytes = activation_bytes(kMmaType);
+    static constexpr int kNumMathWGs = BLOCK_M / 64;
+    static constexpr int kNumThreads = 128 * (1 + kNumMathWGs);
+    static constexpr int BLOCK_K = mega_moe_block_k(kMmaType);      // one 128-byte swizzle row
+    static constexpr int kABytes = BLOCK_M * 128;
+    static constexpr int kBBytesL1 = kMegaMoEBlockNL1 * 128;
+    static constexpr int kBBytesL2 = kMegaMoEBlockNL2 * 128;
+    static constexpr int kStageBytes = mega_moe_stage_bytes(BLOCK_M);
+    static constexpr int kKStepsPerStage = 128 / mma::kWgmmaKBytes;
+    static constexpr int kNumRingConsumers = kNumDispatchThreads + 128 * kNumMathWGs;
+    static_assert(kStageBytes == kABytes + kBBytesL1);
+    static_assert(kNumMathWGs * 128 * kMathRegisters + 128 * kProducerRegisters <= 65536, "register file");
+
+    // ------------------------------------------------------------------------------------------
+    // Shared memory carve-up (sizes from mega_moe_params.cuh, which the host also uses)
+    struct Smem {
+        uint8_t* stages;          // [kNumStages][A tile | B tile]
+        uint8_t* epilogue;
+        uint64_t* full;
+        uint64_t* empty;
+        uint64_t* ring_full;
+        uint64_t* ring_empty;
+        int* ring_task;
+        int* expert_tokens;       // [E_local]
+        int* mblock_begin;        // [E_local + 1], exclusive prefix of M-blocks per local expert
+        SharedControl* ctrl;
+
+        __device__ explicit Smem(uint8_t* base) {
+            stages = base;
+            epilogue = base + kNumStages * kStageBytes;
+            auto* c = epilogue + mega_moe_epilogue_bytes(BLOCK_M);
+            full = reinterpret_cast<uint64_t*>(c);
+            empty = full + kNumStages;
+            ring_full = empty + kNumStages;
+            ring_empty = ring_full + kMegaMoETaskRing;
+            ring_task = reinterpret_cast<int*>(ring_empty + kMegaMoETaskRing);
+            expert_tokens = ring_task + kMegaMoETaskRing;
+            mblock_begin = expert_tokens + kMegaMoEMaxLocalExperts;
+            ctrl = reinterpret_cast<SharedControl*>(align_up<uintptr_t>(reinterpret_cast<uintptr_t>(mblock_begin + kMegaMoEMaxLocalExperts + 1), 16));
+        }
+        // Stage addresses are computed, not stored: an array indexed by a run-time stage would live in local memory
+        __device__ uint8_t* stage_a(int s) const { return stages + s * kStageBytes; }
+        __device__ uint8_t* stage_b(int s) const { return stages + s * kStageBytes + kABytes; }
+    };
+
+    // Task space of one call, identical in every CTA of a rank once the receive counts are known
+    struct Tasks {
+        int num_mblocks, num_l1_nblocks, num_l2_nblocks, num_combine;
+        __device__ int pull_end() const { return num_mblocks; }
+        __device__ int l1_end() const { return pull_end() + num_mblocks * num_l1_nblocks; }
+        __device__ int l2_end() const { return l1_end() + num_mblocks * num_l2_nblocks; }
+        __device__ int total() const { return l2_end() + num_combine; }
+    };
+
+    const MegaMoEParams& p;
+    const L::MegaMoELayout& lay;
+    Smem sm;
+    Tasks tasks;
+    uint32_t epoch;
+
+    __device__ Kernel(const MegaMoEParams& params, uint8_t* smem_base) : p(params), lay(params.layout), sm(smem_base) {}
+
+    template <typename T>
+    __device__ T* mine(const L::Section& s) const { return lay.get_ptr<T>(p.buffers[p.rank], s); }
+    template <typename T>
+    __device__ T* peer(int rank, const L::Section& s) const { return lay.get_ptr<T>(p.buffers[rank], s); }
+
+    __device__ int expert_of_mblock(int m) const {
+        int lo = 0, hi = lay.num_local_experts - 1;   // largest le with mblock_begin[le] <= m
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) / 2;
+            if (sm.mblock_begin[mid] <= m) lo = mid; else hi = mid - 1;
+        }
+        return lo;
+    }
+
+    // ------------------------------------------------------------------------------------------
+    // Count and reserve (whole CTA, the CTA holding ticket 0): every routed (token, slot) gets a
+    // slot in the owner's per-(local expert, source rank) list; counts are published epoch-tagged.
+    __device__ void count_and_send() {
+        const int num_experts = lay.num_experts, num_topk = lay.num_topk, n_max = lay.num_max_tokens_per_rank;
+        int* counts = reinterpret_cast<int*>(sm.stage_a(0));     // pipeline stages are idle here
+        for (int e = threadIdx.x; e < num_experts; e += kNumThreads) counts[e] = 0;
+        __syncthreads();
+
+        const auto* topk_idx = mine<int64_t>(lay.topk_idx);
+        for (int i = threadIdx.x; i < p.num_tokens * num_topk; i += kNumThreads) {
+            const int64_t e = topk_idx[i];
+            if (e == -1) continue;
+            if (e < -1 or e >= num_experts) {   // never used as an index: flagged, treated as masked
+                report(p, StatusCode::kBadExpertId, Phase::kCount, p.rank, i / num_topk, false, sm.ctrl);
+                continue;
+            }
+            const int slot = atomicAdd(&counts[e], 1);
+            if (slot >= n_max) {                // only possible when a token lists an expert twice
+                report(p, StatusCode::kDuplicateExpert, Phase::kCount, p.rank, i / num_topk, false, sm.ctrl);
+                continue;
+            }
+            const int owner = static_cast<int>(e) / lay.num_local_experts, le = static_cast<int>(e) % lay.num_local_experts;
+            peer<int>(owner, lay.src_index)[(static_cast<int64_t>(le) * lay.num_ranks + p.rank) * n_max + slot] = i;
+        }
+        // release: the owner's pull must see the source indices written above
+        __threadfence_system();
+        __syncthreads();
+        for (int e = threadIdx.x; e < num_experts; e += kNumThreads) {
+            const int owner = e / lay.num_local_experts, le = e % lay.num_local_experts;
+            const uint64_t count = min_of(counts[e], n_max);
+            st_release_sys(peer<uint64_t>(owner, lay.recv_count) + le * lay.num_ranks + p.rank, (static_cast<uint64_t>(epoch) << 32) | count);
+        }
+        __syncthreads();
+    }
+
+    // Every CTA: wait for every source's counts, build the per-expert M-block table in smem
+    __device__ void build_layout() {
+        const int num_le = lay.num_local_experts, num_ranks = lay.num_ranks;
+        for (int le = threadIdx.x; le < num_le; le += kNumThreads) sm.expert_tokens[le] = 0;
+        __syncthreads();
+        const auto* recv = mine<uint64_t>(lay.recv_count);
+        for (int i = threadIdx.x; i < num_le * num_ranks; i += kNumThreads) {
+            uint64_t v = 0;
+            const bool ok = bounded_wait(p, sm.ctrl, Phase::kRecvCounts, i % num_ranks, [&] {
+                v = ld_acquire_sys(recv + i);
+                return (v >> 32) >= epoch;
+            });
+            if (not ok) break;
+            if ((v >> 32) > epoch) { sm.ctrl->late = 1; break; }
+            const uint32_t count = static_cast<uint32_t>(v);
+            if (count > static_cast<uint32_t>(lay.num_max_tokens_per_rank)) {
+                report(p, StatusCode::kBadCount, Phase::kRecvCounts, i % num_ranks, count, true, sm.ctrl);
+                break;
+            }
+            atomicAdd(&sm.expert_tokens[i / num_ranks], static_cast<int>(count));
+        }
+        __syncthreads();
+        if (sm.ctrl->late or sm.ctrl->abort) return;
+
+        // Exclusive scan of M-blocks per expert (warp 0)
+        if (threadIdx.x < 32) {
+            int running = 0;
+            for (int base = 0; base < num_le; base += 32) {
+                const int le = base + static_cast<int>(threadIdx.x);
+                const int mblocks = le < num_le ? ceil_div(sm.expert_tokens[le], BLOCK_M) : 0;
+                int incl = mblocks;
+                #pragma unroll
+                for (int d = 1; d < 32; d *= 2) {
+                    const int up = __shfl_up_sync(0xffffffff, incl, d);
+                    if (threadIdx.x >= static_cast<unsigned>(d)) incl += up;
+                }
+                if (le < num_le) sm.mblock_begin[le] = running + incl - mblocks;
+                running += __shfl_sync(0xffffffff, incl, 31);
+            }
+            if (threadIdx.x == 0) {
+                sm.mblock_begin[num_le] = running;
+                sm.ctrl->num_mblocks = running;
+                if (static_cast<int64_t>(running) * BLOCK_M > lay.num_pool_rows)
+                    report(p, StatusCode::kBadCount, Phase::kRecvCounts, p.rank, running, true, sm.ctrl);
+            }
+        }
+        __syncthreads();
+    }
+
+    // ------------------------------------------------------------------------------------------
+    // Pull one M-block (dispatch warps): copy its tokens from the source ranks into the L1 pool
+    __device__ void pull(int m, int dispatch_thread) {
+        const int le = expert_of_mblock(m);
+        const int first_pos = (m - sm.mblock_begin[le]) * BLOCK_M;
+        const int num_tokens = sm.expert_tokens[le], num_ranks = lay.num_ranks, n_max = lay.num_max_tokens_per_rank;
+        const int hidden = lay.hidden, topk = lay.num_topk;
+        const auto* recv = mine<uint64_t>(lay.recv_count) + le * num_ranks;
+        const int* src_index = mine<int>(lay.src_index);
+        auto* row_info = mine<int>(lay.row_info);
+        auto* row_weight = mine<float>(lay.row_weight);
+        auto* l1_act = mine<uint8_t>(lay.l1_act);
+        auto* l1_sf = mine<float>(lay.l1_sf);
+        const int warp = dispatch_thread / 32, lane = dispatch_thread % 32;
+        const int row_bytes = hidden * kActBytes;
+
+        for (int r = warp; r < BLOCK_M; r += kNumDispatchWarps) {
+            const int pos = first_pos + r;
+            const int64_t g = static_cast<int64_t>(m) * BLOCK_M + r;
+            if (pos >= num_tokens) {            // padding row: its output is never written back
+                if (lane == 0) row_info[g] = -1, row_weight[g] = 0.0f;
+                continue;
+            }
+            int src = 0, prefix = 0;
+            for (; src < num_ranks; ++src) {
+                const int c = static_cast<int>(static_cast<uint32_t>(__ldcg(reinterpret_cast<const unsigned long long*>(recv + src))));
+                if (pos < prefix + c) break;
+                prefix += c;
+            }
+            const int token_slot = __ldcg(src_index + (static_cast<int64_t>(le) * num_ranks + src) * n_max + (pos - prefix));
+            const int token = token_slot / topk;
+            if (lane == 0) {
+                row_info[g] = src * n_max * topk + token_slot;
+                row_weight[g] = peer<float>(src, lay.topk_weights)[token_slot];
+            }
+            const auto* from = reinterpret_cast<const int4*>(peer<uint8_t>(src, lay.x) + static_cast<int64_t>(token) * row_bytes);
+            auto* to = reinterpret_cast<int4*>(l1_act + g * row_bytes);
+            const int num_chunks = row_bytes / 16;
+            int c = lane;
+            // 4 loads in flight per lane before the stores (NVLink latency)
+            for (; c + 96 < num_chunks; c += 128) {
+                const int4 v0 = ld_global_nc(from + c), v1 = ld_global_nc(from + c + 32);
+                const int4 v2 = ld_global_nc(from + c + 64), v3 = ld_global_nc(from + c + 96);
+                to[c] = v0, to[c + 32] = v1, to[c + 64] = v2, to[c + 96] = v3;
+            }
+            for (; c < num_chunks; c += 32) to[c] = ld_global_nc(from + c);
+            if constexpr (kFP8) {
+                const float* sf = peer<float>(src, lay.x_sf) + static_cast<int64_t>(token) * (hidden / kScaleGranularity);
+                for (int kb = lane; kb < hidden / kScaleGranularity; kb += 32)
+                    l1_sf[static_cast<int64_t>(kb) * lay.num_pool_rows + g] = sf[kb];
+            }
+        }
+        // release: L1 TMA loads (async proxy) of this M-block must see the rows written above
+        fence_proxy_async_global();
+        __threadfence();
+        named_barrier(kBarrierDispatch, kNumDispatchThreads);
+        if (dispatch_thread == 0) red_release_gpu_add(mine<uint32_t>(lay.mblock_arrival) + m, 1);
+    }
+
+    // Combine (dispatch warps): y[t] = sum over valid slots k (in order) of the BF16 rows
+    __device__ void combine(int c, int dispatch_thread) {
+        // acquire: every rank has written its L2 rows for our tokens
+        if (dispatch_thread < lay.num_ranks) {
+            const auto* flag = mine<uint64_t>(lay.combine_ready) + dispatch_thread;
+            bounded_wait(p, sm.ctrl, Phase::kCombineWait, dispatch_thread, [&] { return ld_acquire_sys(flag) >= epoch; });
+        }
+        named_barrier(kBarrierDispatch, kNumDispatchThreads);
+        if (sm.ctrl->abort) return;
+
+        const int hidden = lay.hidden, topk = lay.num_topk, n_max = lay.num_max_tokens_per_rank;
+        const int first = c * kCombineTokensPerTask, last = min_of(p.num_tokens, first + kCombineTokensPerTask);
+        const auto* topk_idx = mine<int64_t>(lay.topk_idx);
+        const auto* slots = mine<__nv_bfloat16>(lay.combine);
+        auto* y = static_cast<__nv_bfloat16*>(p.y);
+        const int chunks_per_token = hidden / 8;
+        for (int i = dispatch_thread; i < (last - first) * chunks_per_token; i += kNumDispatchThreads) {
+            const int t = first + i / chunks_per_token, col = (i % chunks_per_token) * 8;
+            float sum[8] = {};
+            for (int k = 0; k < topk; ++k) {
+                const int64_t e = topk_idx[static_cast<int64_t>(t) * topk + k];
+                if (e < 0 or e >= lay.num_experts) continue;
+                const int4 v = __ldcg(reinterpret_cast<const int4*>(slots + (static_cast<int64_t>(k) * n_max + t) * hidden + col));
+                const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+                #pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const float2 f = __bfloat1622float2(h[j]);
+                    sum[2 * j] += f.x, sum[2 * j + 1] += f.y;
+                }
+            }
+            int4 out;
+            auto* o = reinterpret_cast<__nv_bfloat162*>(&out);
+            #pragma unroll
+            for (int j = 0; j < 4; ++j) o[j] = __floats2bfloat162_rn(sum[2 * j], sum[2 * j + 1]);
+            *reinterpret_cast<int4*>(y + static_cast<int64_t>(t) * hidden + col) = out;
+        }
+    }
+
+    // ------------------------------------------------------------------------------------------
+    // Scheduler + TMA producer (one lane)
+    __device__ void scheduler(const CUtensorMap* tm_l1_act, const CUtensorMap* tm_l1_w,
+                              const CUtensorMap* tm_l2_act, const CUtensorMap* tm_l2_w) {
+        uint32_t stage_iter = 0;
+        const int total = tasks.total();
+        auto* control = mine<uint32_t>(lay.control);
+        const auto* arrival = mine<uint32_t>(lay.mblock_arrival);
+        const auto* l1_done = mine<uint32_t>(lay.mblock_l1_done);
+        for (int i = 0;; ++i) {
+            int t = i == 0 ? sm.ctrl->first_task : static_cast<int>(atomicAdd(control + L::kControlTaskQueue, 1));
+            const int slot = i % kMegaMoETaskRing;
+            const bool slot_free = bounded_wait(p, sm.ctrl, Phase::kPipeline, p.rank,
+                                                [&] { return mbarrier_try_wait(sm.ring_empty + slot, ((i / kMegaMoETaskRing) & 1) ^ 1); });
+            if (not slot_free) t = total;    // aborted: let every role leave
+            sm.ring_task[slot] = t;
+            mbarrier_arrive(sm.ring_full + slot);
+            if (t >= total) break;
+
+            const bool is_l1 = t >= tasks.pull_end() and t < tasks.l1_end();
+            const bool is_l2 = t >= tasks.l1_end() and t < tasks.l2_end();
+            if (not is_l1 and not is_l2) continue;
+            const int idx = is_l1 ? t - tasks.pull_end() : t - tasks.l1_end();
+            const int nblocks = is_l1 ? tasks.num_l1_nblocks : tasks.num_l2_nblocks;
+            const int m = idx / nblocks, j = idx % nblocks;
+            const int le = expert_of_mblock(m);
+
+            // acquire: L1 waits for its M-block's tokens, L2 for all L1 N-blocks of its M-block
+            const bool ready = is_l1
+                ? bounded_wait(p, sm.ctrl, Phase::kL1Wait, p.rank, [&] { return ld_acquire_gpu(arrival + m) >= 1; })
+                : bounded_wait(p, sm.ctrl, Phase::kL2Wait, p.rank, [&] {
+                      return ld_acquire_gpu(l1_done + m) >= static_cast<uint32_t>(tasks.num_l1_nblocks * kNumMathWGs); });
+            if (ready) fence_proxy_async_global();
+
+            const int num_kb = (is_l1 ? lay.hidden : lay.intermediate_hidden) / BLOCK_K;
+            const int b_rows = is_l1 ? kMegaMoEBlockNL1 : kMegaMoEBlockNL2;
+            const int b_row0 = le * (is_l1 ? 2 * lay.intermediate_hidden : lay.hidden) + j * b_rows;
+            for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
+                const int s = stage_iter % kNumStages;
+                const bool free = ready and bounded_wait(p, sm.ctrl, Phase::kPipeline, p.rank,
+                                                         [&] { return mbarrier_try_wait(sm.empty + s, ((stage_iter / kNumStages) & 1) ^ 1); });
+                if (not free) {
+                    // Aborted: complete the stage without data so the math warpgroups see the
+                    // abort flag instead of waiting for bytes that will never come
+                    mbarrier_arrive(sm.full + s);
+                    continue;
+                }
+                mbarrier_arrive_expect_tx(sm.full + s, kABytes + (is_l1 ? kBBytesL1 : kBBytesL2));
+                tma_load_2d(sm.stage_a(s), is_l1 ? tm_l1_act : tm_l2_act, sm.full + s, kb * BLOCK_K, m * BLOCK_M);
+                tma_load_2d(sm.stage_b(s), is_l1 ? tm_l1_w : tm_l2_w, sm.full + s, kb * BLOCK_K, b_row0);
+            }
+        }
+    }
+
+    // Dispatch warps: pull and combine tasks from the ring
+    __device__ void dispatch_worker() {
+        const int dispatch_thread = static_cast<int>(threadIdx.x) - 32;
+        const int total = tasks.total();
+        for (int i = 0;; ++i) {
+            const int slot = i % kMegaMoETaskRing;
+            bounded_wait(p, sm.ctrl, Phase::kPipeline, p.rank, [&] { return mbarrier_try_wait(sm.ring_full + slot, (i / kMegaMoETaskRing) & 1); });
+            const int t = sm.ring_task[slot];
+            mbarrier_arrive(sm.ring_empty + slot);
+            if (t >= total or sm.ctrl->abort) break;
+            if (t < tasks.pull_end()) pull(t, dispatch_thread);
+            else if (t >= tasks.l2_end()) combine(t - tasks.l2_end(), dispatch_thread);
+        }
+    }
+
+    // ------------------------------------------------------------------------------------------
+    // Math warpgroups
+    struct MathThread {
+        int wg, tid, warp, lane;
+        __device__ int row_in_tile(int half) const { return wg * 64 + warp * 16 + lane / 4 + 8 * half; }
+    };
+
+    // Wait for a stage's bytes; false when the call was aborted
+    __device__ bool wait_full(uint32_t stage_iter) {
+        const int s = stage_iter % kNumStages;
+        return bounded_wait(p, sm.ctrl, Phase::kPipeline, p.rank, [&] { return mbarrier_try_wait(sm.full + s, (stage_iter / kNumStages) & 1); })
+               and not *reinterpret_cast<volatile int*>(&sm.ctrl->abort);
+    }
+    __device__ void release_stage(uint32_t stage_iter, const MathThread& mt) {
+        if (mt.lane == 0) mbarrier_arrive(sm.empty + stage_iter % kNumStages);
+    }
+
+    // L1: acc[0:64] gate, acc[64:128] up (column c of gate pairs with column c of up)
+    __device__ bool l1_mainloop(int m, int le, int j, uint32_t& stage_iter, const MathThread& mt, float (&acc)[128]) {
+        const int num_kb = lay.hidden / BLOCK_K;
+        if constexpr (kFP8) {
+            float part[64];
+            #pragma unroll
+            for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+            const float* a_sf = mine<float>(lay.l1_sf);
+            const int64_t g0 = static_cast<int64_t>(m) * BLOCK_M + mt.row_in_tile(0), g1 = g0 + 8;
+            const int sf_cols = lay.hidden / 128;
+            const float* b_sf_gate = p.l1_weight_scales + (static_cast<int64_t>(le) * (2 * lay.intermediate_hidden / 128) + 2 * j) * sf_cols;
+            const float* b_sf_up = b_sf_gate + sf_cols;
+            for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
+                const float sg = __ldg(b_sf_gate + kb), su = __ldg(b_sf_up + kb);
+                float sa0 = 0.0f, sa1 = 0.0f;
+                if (not wait_full(stage_iter)) return false;
+                const int s = stage_iter % kNumStages;
+                const uint64_t da = mma::make_k_major_sw128_desc(sm.stage_a(s) + mt.wg * 64 * 128);
+                const uint64_t dg = mma::make_k_major_sw128_desc(sm.stage_b(s));
+                const uint64_t du = mma::make_k_major_sw128_desc(sm.stage_b(s) + 128 * 128);
+                #pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    mma::fence_operands(part);
+                    mma::warpgroup_arrive();
+                    #pragma unroll
+                    for (int ks = 0; ks < kKStepsPerStage; ++ks)
+                        mma::FP8MmaN128::fma(mma::advance_desc(da, ks * mma::kWgmmaKBytes),
+                                             mma::advance_desc(half == 0 ? dg : du, ks * mma::kWgmmaKBytes), part, ks > 0);
+                    mma::warpgroup_commit();
+                    if (half == 0) {
+                        // Pool scales were written by other CTAs in this launch (the full barrier
+                        // orders us after the producer's acquire): L2-coherent loads, overlapped
+                        // with the MMAs just issued
+                        sa0 = __ldcg(a_sf + kb * static_cast<int64_t>(lay.num_pool_rows) + g0);
+                        sa1 = __ldcg(a_sf + kb * static_cast<int64_t>(lay.num_pool_rows) + g1);
+                    }
+                    mma::warpgroup_wait<0>();
+                    mma::fence_operands(part);
+                    if (half == 1) release_stage(stage_iter, mt);
+                    const float sb = half == 0 ? sg : su;
+                    const float s0 = sa0 * sb, s1 = sa1 * sb;
+                    #pragma unroll
+                    for (int i = 0; i < 64; ++i) acc[half * 64 + i] += part[i] * ((i & 2) ? s1 : s0);
+                }
+            }
+        } else {
+            for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
+                if (not wait_full(stage_iter)) return false;
+                const int s = stage_iter % kNumStages;
+                const uint64_t da = mma::make_k_major_sw128_desc(sm.stage_a(s) + mt.wg * 64 * 128);
+                const uint64_t db = mma::make_k_major_sw128_desc(sm.stage_b(s));
+                mma::fence_operands(acc);
+                mma::warpgroup_arrive();
+                #pragma unroll
+                for (int ks = 0; ks < kKStepsPerStage; ++ks)
+                    mma::BF16MmaN256::fma(mma::advance_desc(da, ks * mma::kWgmmaKBytes), mma::advance_desc(db, ks * mma::kWgmmaKBytes),
+                                          acc, kb > 0 or ks > 0);
+                mma::warpgroup_commit();
+                mma::warpgroup_wait<0>();
+                mma::fence_operands(acc);
+                release_stage(stage_iter, mt);
+            }
+        }
+        return true;
+    }
+
+    __device__ bool l2_mainloop(int m, int le, int j, uint32_t& stage_iter, const MathThread& mt, float (&acc)[64]) {
+        const int num_kb = lay.intermediate_hidden / BLOCK_K;
+        if constexpr (kFP8) {
+            float part[64];
+            #pragma unroll
+            for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+            const float* a_sf = mine<float>(lay.l2_sf);
+            const int64_t g0 = static_cast<int64_t>(m) * BLOCK_M + mt.row_in_tile(0), g1 = g0 + 8;
+            const float* b_sf = p.l2_weight_scales + (static_cast<int64_t>(le) * (lay.hidden / 128) + j) * (lay.intermediate_hidden / 128);
+            for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
+                const float sb = __ldg(b_sf + kb);
+                if (not wait_full(stage_iter)) return false;
+                const int s = stage_iter % kNumStages;
+                const uint64_t da = mma::make_k_major_sw128_desc(sm.stage_a(s) + mt.wg * 64 * 128);
+                const uint64_t db = mma::make_k_major_sw128_desc(sm.stage_b(s));
+                mma::fence_operands(part);
+                mma::warpgroup_arrive();
+                #pragma unroll
+                for (int ks = 0; ks < kKStepsPerStage; ++ks)
+                    mma::FP8MmaN128::fma(mma::advance_desc(da, ks * mma::kWgmmaKBytes), mma::advance_desc(db, ks * mma::kWgmmaKBytes), part, ks > 0);
+                mma::warpgroup_commit();
+                const float s0 = __ldcg(a_sf + kb * static_cast<int64_t>(lay.num_pool_rows) + g0) * sb;
+                const float s1 = __ldcg(a_sf + kb * static_cast<int64_t>(lay.num_pool_rows) + g1) * sb;
+                mma::warpgroup_wait<0>();
+                mma::fence_operands(part);
+                release_stage(stage_iter, mt);
+                #pragma unroll
+                for (int i = 0; i < 64; ++i) acc[i] += part[i] * ((i & 2) ? s1 : s0);
+            }
+        } else {
+            for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
+                if (not wait_full(stage_iter)) return false;
+                const int s = stage_iter % kNumStages;
+                const uint64_t da = mma::make_k_major_sw128_desc(sm.stage_a(s) + mt.wg * 64 * 128);
+                const uint64_t db = mma::make_k_major_sw128_desc(sm.stage_b(s));
+                mma::fence_operands(acc);
+                mma::warpgroup_arrive();
+                #pragma unroll
+                for (int ks = 0; ks < kKStepsPerStage; ++ks)
+                    mma::BF16MmaN128::fma(mma::advance_desc(da, ks * mma::kWgmmaKBytes), mma::advance_desc(db, ks * mma::kWgmmaKBytes),
+                                          acc, kb > 0 or ks > 0);
+                mma::warpgroup_commit();
+                mma::warpgroup_wait<0>();
+                mma::fence_operands(acc);
+                release_stage(stage_iter, mt);
+            }
+        }
+        return true;
+    }
+
+    // L1 epilogue: SwiGLU (+clamp) x top-k weight, FP8 per-128 quantization (or BF16), into the L2 pool
+    __device__ void l1_epilogue(int m, int j, const MathThread& mt, float (&acc)[128]) {
+        const float* row_weight = mine<float>(lay.row_weight);
+        uint8_t* tile = sm.epilogue + mt.wg * 64 * kMegaMoEEpilogueRowBytes;
+        const float clamp = p.activation_clamp;
+        #pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int r = mt.row_in_tile(half);
+            const int64_t g = static_cast<int64_t>(m) * BLOCK_M + r;
+            const float w = __ldcg(row_weight + g);
+            // The activation overwrites the gate accumulator in place (no extra 32 registers)
+            float amax = 0.0f;
+            #pragma unroll
+            for (int q = 0; q < 16; ++q) {
+                #pragma unroll
+                for (int b = 0; b < 2; ++b) {
+                    const int i = q * 4 + half * 2 + b;
+                    const float gate = fminf(acc[i], clamp);
+                    const float up = fminf(fmaxf(acc[64 + i], -clamp), clamp);
+                    acc[i] = silu<kFastMath>(gate) * up * w;
+                    amax = fmaxf(amax, fabsf(acc[i]));
+                }
+            }
+            uint8_t* row = tile + (r - mt.wg * 64) * kMegaMoEEpilogueRowBytes;
+            const int col0 = (mt.lane % 4) * 2;
+            if constexpr (kFP8) {
+                // the 4 lanes of a quad hold the 128 columns of this row
+                amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, 1));
+                amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, 2));
+                // Correctly rounded divisions: the scale and the quantized bytes then match
+                // deep_gemm.utils.per_token_cast_to_fp8 bit for bit on the same float inputs
+                amax = fmaxf(amax, 1e-10f);
+                const float inv = __fdiv_rn(448.0f, amax);
+                #pragma unroll
+                for (int q = 0; q < 16; ++q) {
+                    const int i = q * 4 + half * 2;
+                    const __nv_fp8x2_storage_t pair = __nv_cvt_float2_to_fp8x2(make_float2(acc[i] * inv, acc[i + 1] * inv), __NV_SATFINITE, __NV_E4M3);
+                    *reinterpret_cast<__nv_fp8x2_storage_t*>(row + q * 8 + col0) = pair;
+                }
+                if (mt.lane % 4 == 0) mine<float>(lay.l2_sf)[static_cast<int64_t>(j) * lay.num_pool_rows + g] = __fdiv_rn(amax, 448.0f);
+            } else {
+                #pragma unroll
+                for (int q = 0; q < 16; ++q) {
+                    const int i = q * 4 + half * 2;
+                    *reinterpret_cast<__nv_bfloat162*>(row + (q * 8 + col0) * 2) = __floats2bfloat162_rn(acc[i], acc[i + 1]);
+                }
+            }
+        }
+        named_barrier(kBarrierMathBase + mt.wg, 128);
+        // 16-byte row copies into the L2 pool: columns [j*128, j*128+128) of I
+        constexpr int kRowBytes = 128 * kActBytes, kChunks = kRowBytes / 16;
+        auto* l2_act = mine<uint8_t>(lay.l2_act);
+        for (int c = mt.tid; c < 64 * kChunks; c += 128) {
+            const int r = c / kChunks, col = (c % kChunks) * 16;
+            const int64_t g = static_cast<int64_t>(m) * BLOCK_M + mt.wg * 64 + r;
+            *reinterpret_cast<int4*>(l2_act + g * lay.intermediate_hidden * kActBytes + j * kRowBytes + col) =
+                *reinterpret_cast<const int4*>(tile + r * kMegaMoEEpilogueRowBytes + col);
+        }
+        // release: L2 TMA loads (async proxy, other CTAs) must see these rows and scales
+        fence_proxy_async_global();
+        __threadfence();
+        named_barrier(kBarrierMathBase + mt.wg, 128);
+        if (mt.tid == 0) red_release_gpu_add(mine<uint32_t>(lay.mblock_l1_done) + m, 1);
+    }
+
+    // L2 epilogue: BF16 rows straight into the source rank's combine slot [k][token][hidden]
+    __device__ void l2_epilogue(int m, int j, const MathThread& mt, float (&acc)[64]) {
+        uint8_t* tile = sm.epilogue + mt.wg * 64 * kMegaMoEEpilogueRowBytes;
+        #pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            uint8_t* row = tile + (mt.row_in_tile(half) - mt.wg * 64) * kMegaMoEEpilogueRowBytes;
+            #pragma unroll
+            for (int q = 0; q < 16; ++q) {
+                const int i = q * 4 + half * 2;
+                *reinterpret_cast<__nv_bfloat162*>(row + (q * 8 + (mt.lane % 4) * 2) * 2) = __floats2bfloat162_rn(acc[i], acc[i + 1]);
+            }
+        }
+        named_barrier(kBarrierMathBase + mt.wg, 128);
+        const int* row_info = mine<int>(lay.row_info);
+        const int n_max = lay.num_max_tokens_per_rank, topk = lay.num_topk;
+        constexpr int kChunks = 128 * 2 / 16;
+        for (int c = mt.tid; c < 64 * kChunks; c += 128) {
+            const int r = c / kChunks, col = (c % kChunks) * 16;
+            const int info = __ldcg(row_info + static_cast<int64_t>(m) * BLOCK_M + mt.wg * 64 + r);
+            if (info < 0) continue;
+            const int src = info / (n_max * topk), token = (info % (n_max * topk)) / topk, k = info % topk;
+            auto* dst = peer<uint8_t>(src, lay.combine) + ((static_cast<int64_t>(k) * n_max + token) * lay.hidden + j * 128) * 2 + col;
+            *reinterpret_cast<int4*>(dst) = *reinterpret_cast<const int4*>(tile + r * kMegaMoEEpilogueRowBytes + col);
+        }
+        // release (system scope): the source rank's combine reads these rows after our signal
+        __threadfence_system();
+        named_barrier(kBarrierMathBase + mt.wg, 128);
+        if (mt.tid == 0) {
+            const uint32_t target = static_cast<uint32_t>(tasks.num_mblocks * tasks.num_l2_nblocks * kNumMathWGs);
+            if (atom_acq_rel_gpu_add(mine<uint32_t>(lay.control) + L::kControlL2TasksDone, 1) + 1 == target)
+                signal_combine_ready();
+        }
+    }
+
+    // All of this rank's L2 rows are out: tell every source rank
+    __device__ void signal_combine_ready() const {
+        fence_acq_rel_sys();
+        for (int r = 0; r < lay.num_ranks; ++r)
+            st_release_sys(lay.get_ptr<uint64_t>(p.buffers[r], lay.combine_ready) + p.rank, epoch);
+    }
+
+    __device__ void math(int wg) {
+        MathThread mt;
+        mt.wg = wg;
+        mt.tid = static_cast<int>(threadIdx.x) - 128 * (wg + 1);
+        mt.warp = mt.tid / 32;
+        mt.lane = mt.tid % 32;
+        const int total = tasks.total();
+        uint32_t stage_iter = 0;
+        for (int i = 0;; ++i) {
+            const int slot = i % kMegaMoETaskRing;
+            bounded_wait(p, sm.ctrl, Phase::kPipeline, p.rank, [&] { return mbarrier_try_wait(sm.ring_full + slot, (i / kMegaMoETaskRing) & 1); });
+            const int t = sm.ring_task[slot];
+            mbarrier_arrive(sm.ring_empty + slot);
+            if (t >= total or sm.ctrl->abort) break;
+            if (t >= tasks.pull_end() and t < tasks.l1_end()) {
+                const int idx = t - tasks.pull_end(), m = idx / tasks.num_l1_nblocks, j = idx % tasks.num_l1_nblocks;
+                float acc[128];
+                if (not l1_mainloop(m, expert_of_mblock(m), j, stage_iter, mt, acc)) break;
+                l1_epilogue(m, j, mt, acc);
+            } else if (t >= tasks.l1_end() and t < tasks.l2_end()) {
+                const int idx = t - tasks.l1_end(), m = idx / tasks.num_l2_nblocks, j = idx % tasks.num_l2_nblocks;
+                float acc[64];
+                if (not l2_mainloop(m, expert_of_mblock(m), j, stage_iter, mt, acc)) break;
+                l2_epilogue(m, j, mt, acc);
+            }
+        }
+    }
+
+    // ------------------------------------------------------------------------------------------
+    __device__ void run(const CUtensorMap* tm_l1_act, const CUtensorMap* tm_l1_w, const CUtensorMap* tm_l2_act, const CUtensorMap* tm_l2_w) {
+        const int warp = warp_idx();
+        auto* control = mine<uint32_t>(lay.control);
+        SharedControl* ctrl = sm.ctrl;
+
+        if (threadIdx.x == 0) {
+            for (int s = 0; s < kNumStages; ++s) {
+                mbarrier_init(sm.full + s, 1);
+                mbarrier_init(sm.empty + s, 4 * kNumMathWGs);      // one lane per math warp
+            }
+            for (int r = 0; r < kMegaMoETaskRing; ++r) {
+                mbarrier_init(sm.ring_full + r, 1);
+                mbarrier_init(sm.ring_empty + r, kNumRingConsumers);
+            }
+            fence_barrier_init();
+            // Written by the previous launch on this stream (or reset()): a plain load suffices
+            ctrl->epoch = control[L::kControlEpoch] + 1;
+            ctrl->did_count = atomicAdd(control + L::kControlCountClaim, 1) == 0;
+            ctrl->late = 0;
+            ctrl->abort = 0;
+            ctrl->is_last_cta = 0;
+            ctrl->num_mblocks = 0;
+        }
+        if (warp == 0 and lane_idx() == 0) {
+            prefetch_tma_descriptor(tm_l1_act), prefetch_tma_descriptor(tm_l1_w);
+            prefetch_tma_descriptor(tm_l2_act), prefetch_tma_descriptor(tm_l2_w);
+        }
+        __syncthreads();
+        epoch = ctrl->epoch;
+
+        if (ctrl->did_count) count_and_send();
+        build_layout();
+
+        if (not ctrl->late and not ctrl->abort) {
+            tasks.num_mblocks = ctrl->num_mblocks;
+            tasks.num_l1_nblocks = lay.intermediate_hidden / 128;
+            tasks.num_l2_nblocks = lay.hidden / kMegaMoEBlockNL2;
+            tasks.num_combine = ceil_div(p.num_tokens, kCombineTokensPerTask);
+            if (threadIdx.x == 0) {
+                control[L::kControlNumMBlocks] = tasks.num_mblocks;
+                ctrl->first_task = static_cast<int>(atomicAdd(control + L::kControlTaskQueue, 1));
+            }
+            __syncthreads();
+            if (ctrl->first_task == 0 and threadIdx.x == 0) {
+                if (p.cumulative_local_expert_recv_stats != nullptr)
+                    for (int le = 0; le < lay.num_local_experts; ++le)
+                        atomicAdd(p.cumulative_local_expert_recv_stats + le, sm.expert_tokens[le]);
+                if (tasks.num_mblocks == 0) signal_combine_ready();   // no L2 task will do it
+            }
+            __syncthreads();
+
+            if (warp < 4) {
+                setmaxnreg_dec<kProducerRegisters>();
+                if (warp == 0) {
+                    if (elect_one()) scheduler(tm_l1_act, tm_l1_w, tm_l2_act, tm_l2_w);
+                    __syncwarp();
+                } else {
+                    dispatch_worker();
+                }
+            } else {
+                setmaxnreg_inc<kMathRegisters>();
+                math(warp / 4 - 1);
+            }
+        }
+
+        // Leave; the last CTA out resets the per-call counters for the next call on this buffer
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            __threadfence();
+            const uint32_t exited = atomicAdd(control + L::kControlExitedCtas, 1);
+            ctrl->is_last_cta = exited == gridDim.x - 1;
+        }
+        __syncthreads();
+        if (ctrl->is_last_cta) {
+            const auto* status = mine<uint64_t>(lay.status);
+            if (ld_volatile(status + L::kStatusAbort) != 0) return;    // reset() on the host clears it
+            const int num_mblocks = static_cast<int>(__ldcg(control + L::kControlNumMBlocks));
+            auto* arrival = mine<uint32_t>(lay.mblock_arrival);
+            auto* l1_done = mine<uint32_t>(lay.mblock_l1_done);
+            for (int m = threadIdx.x; m < num_mblocks; m += kNumThreads) arrival[m] = 0, l1_done[m] = 0;
+            if (threadIdx.x == 0) {
+                control[L::kControlTaskQueue] = 0;
+                control[L::kControlL2TasksDone] = 0;
+                control[L::kControlCountClaim] = 0;
+                control[L::kControlExitedCtas] = 0;
+                control[L::kControlEpoch] = epoch;
+            }
+        }
+    }
+};
+
+}  // namespace deep_gemm::sm90_mega_moe
+
+// The JIT runtime instantiates this with the config chosen by the heuristics
+#define DG_DEFINE_SM90_MEGA_MOE_KERNEL(NAME, MMA_TYPE, BLOCK_M, NUM_STAGES, FAST_MATH)                                \
+    extern "C" __global__ void __launch_bounds__(deep_gemm::sm90_mega_moe::Kernel<MMA_TYPE, BLOCK_M, NUM_STAGES, FAST_MATH>::kNumThreads, 1) \
+    NAME(const __grid_constant__ deep_gemm::MegaMoEParams params, const __grid_constant__ CUtensorMap tm_l1_act,       \
+         const __grid_constant__ CUtensorMap tm_l1_w, const __grid_constant__ CUtensorMap tm_l2_act,                   \
+         const __grid_constant__ CUtensorMap tm_l2_w) {                                                               \
+        extern __shared__ __align__(1024) uint8_t dg_smem[];                                                          \
+        auto* base = reinterpret_cast<uint8_t*>(deep_gemm::align_up<uintptr_t>(reinterpret_cast<uintptr_t>(dg_smem), 1024)); \
+        deep_gemm::sm90_mega_moe::Kernel<MMA_TYPE, BLOCK_M, NUM_STAGES, FAST_MATH> kernel(params, base);                          \
+        kernel.run(&tm_l1_act, &tm_l1_w, &tm_l2_act, &tm_l2_w);                                                        \
+    }

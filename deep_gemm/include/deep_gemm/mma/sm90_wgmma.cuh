@@ -1,0 +1,65 @@
+#pragma once
+
+// Warpgroup MMA (wgmma) for K-major operands in 128B-swizzled shared memory.
+// The instruction atoms come from CuTe (cute/arch/mma_sm90_gmma.hpp); this file adds descriptor
+// construction and array-based wrappers so kernels write `Mma::fma(desc_a, desc_b, acc, accumulate)`.
+
+#include <cstdint>
+#include <utility>
+
+#include <cute/arch/mma_sm90_gmma.hpp>
+
+namespace deep_gemm::mma {
+
+// Shared-memory matrix descriptor (PTX ISA, "Matrix Descriptor Format") for a K-major tile whose
+// rows are 128 bytes wide and 128B-swizzled, as TMA writes them with CU_TENSOR_MAP_SWIZZLE_128B:
+// 8 rows form one 1024-byte swizzle atom, so the stride between 8-row groups is 1024 bytes; the
+// leading offset is unused for swizzled K-major layouts whose K extent fits one atom.
+__device__ __forceinline__ uint64_t make_k_major_sw128_desc(const void* smem_tile) {
+    constexpr uint64_t kStrideBytes = 1024;
+    constexpr uint64_t kSwizzle128B = 1;
+    const uint64_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem_tile));
+    return ((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | ((kStrideBytes >> 4) << 32) | (kSwizzle128B << 62);
+}
+
+// Advance a descriptor along K by `bytes` inside the 128-byte swizzle row (the hardware applies
+// the swizzle to the final address, so a plain offset of the start address is correct).
+__device__ __forceinline__ uint64_t advance_desc(uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); }
+
+__device__ __forceinline__ void warpgroup_arrive() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void warpgroup_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void warpgroup_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(kPending) : "memory"); }
+
+// Keep the compiler from moving accumulator reads/writes across wgmma issue/wait points
+template <int N>
+__device__ __forceinline__ void fence_operands(float (&d)[N]) {
+    #pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
+}
+
+template <typename Atom, int N>
+struct WgmmaSS {
+    static constexpr int kNumAccum = N;
+
+    template <size_t... I>
+    __device__ __forceinline__ static void call(uint64_t a, uint64_t b, float (&d)[N], bool accumulate, std::index_sequence<I...>) {
+        Atom::fma(a, b, d[I]..., accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
+    }
+
+    __device__ __forceinline__ static void fma(uint64_t desc_a, uint64_t desc_b, float (&d)[N], bool accumulate) {
+        call(desc_a, desc_b, d, accumulate, std::make_index_sequence<N>{});
+    }
+};
+
+// 64 rows (one warpgroup) x N columns x K per instruction; accumulators: N/2 floats per thread.
+// Accumulator i of a thread holds row (warp % 4) * 16 + lane / 4 + 8 * ((i / 2) % 2) and column
+// (i / 4) * 8 + (lane % 4) * 2 + (i % 2).
+using FP8MmaN128 = WgmmaSS<cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_SS_TN<>, 64>;
+using BF16MmaN128 = WgmmaSS<cute::SM90::GMMA::MMA_64x128x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>, 64>;
+using BF16MmaN256 = WgmmaSS<cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>, 128>;
+
+// Bytes one wgmma instruction consumes along K (32 FP8 or 16 BF16 elements)
+constexpr uint32_t kWgmmaKBytes = 32;
+
+}  // namespace deep_gemm::mma

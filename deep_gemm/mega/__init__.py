@@ -1,0 +1,29 @@
+"""Mega MoE: the symmetric buffer, the weight transforms and the fused MoE entry points.
+
+    buf = get_symm_buffer_for_mega_moe(group, num_experts, num_max_tokens_per_rank, num_topk,
+                                       hidden, intermediate_hidden, mma_type="fp8xfp4")
+    l1, l2 = transform_weights_for_mega_moe(l1_weights, l2_weights)
+    fp8_fp4_mega_moe(y, l1, l2, buf)      # or fp8_mega_moe / bf16_mega_moe
+"""
+from .api import bf16_mega_moe, fp8_fp4_mega_moe, fp8_mega_moe
+from .buffer import (MMA_TYPES, SymmBuffer, get_mega_moe_layout, get_symm_buffer_for_mega_moe,
+                     get_symm_buffer_size_for_mega_moe, mma_type_to_int)
+from .transform import (dequant_mega_moe_fp4, fp4_expansion_table, inverse_transform_weights_for_mega_moe,
+                        mxfp4_transform_error, transform_weights_for_mega_moe)
+
+__all__ = [
+    'MMA_TYPES',
+    'SymmBuffer',
+    'bf16_mega_moe',
+    'dequant_mega_moe_fp4',
+    'fp4_expansion_table',
+    'fp8_fp4_mega_moe',
+    'fp8_mega_moe',
+    'get_mega_moe_layout',
+    'get_symm_buffer_for_mega_moe',
+    'get_symm_buffer_size_for_mega_moe',
+    'inverse_transform_weights_for_mega_moe',
+    'mma_type_to_int',
+    'mxfp4_transform_error',
+    'transform_weights_for_mega_moe',
+]

@@ -1,0 +1,239 @@
+"""Mega MoE entry points: one kernel launch runs dispatch -> L1 GEMM + SwiGLU -> L2 GEMM -> combine.
+
+Every argument is checked here, on the host and before anything is written, so that a wrong dtype,
+shape, device or layout is a Python error naming the argument rather than a corrupted buffer. The
+launch itself lives in `deep_gemm.mega.launch`.
+
+Number formats on SM90 (DESIGN.md §2):
+
+==================  ==================================  ======================================  =========
+tensor              fp8xfp8 (`fp8_mega_moe`)            fp8xfp4 (`fp8_fp4_mega_moe`)            bf16xbf16
+==================  ==================================  ======================================  =========
+x (L1 input)        E4M3, FP32 scale / token / 128 ch   same                                    BF16
+L1/L2 weights       E4M3, FP32 scale / 128x128 block    MXFP4 (E2M1, UE8M0 / 32 of K), rebased  BF16
+L1 out = L2 in      E4M3, FP32 scale / token / 128      same                                    BF16
+y                   BF16, FP32 accumulation             same                                    same
+==================  ==================================  ======================================  =========
+"""
+from __future__ import annotations
+
+import math
+import numbers
+import os
+from typing import Optional, Tuple
+
+import torch
+
+from .buffer import SymmBuffer
+from .transform import Weights
+
+# Expected kernel-format weights per MMA type: one (name, dtype, shape) entry per tensor of l1 / l2,
+# shapes as functions of (E_local, I, H). A plain tensor for bf16, a tuple otherwise.
+_WeightSpec = Tuple[Tuple[str, torch.dtype, object], ...]
+
+
+def _weight_specs(mma_type: str, e: int, i: int, h: int) -> Tuple[_WeightSpec, _WeightSpec]:
+    if mma_type == 'bf16xbf16':
+        return ((('weights', torch.bfloat16, (e, 2 * i, h)),),
+                (('weights', torch.bfloat16, (e, h, i)),))
+    if mma_type == 'fp8xfp8':
+        return ((('weights', torch.float8_e4m3fn, (e, 2 * i, h)), ('scales', torch.float32, (e, 2 * i // 128, h // 128))),
+                (('weights', torch.float8_e4m3fn, (e, h, i)), ('scales', torch.float32, (e, h // 128, i // 128))))
+    return ((('weights', torch.uint8, (e, 2 * i, h // 2)), ('delta', torch.uint8, (e, 2 * i, h // 32)),
+             ('block_scale', torch.float32, (e, 2 * i // 128, h // 128))),
+            (('weights', torch.uint8, (e, h, i // 2)), ('delta', torch.uint8, (e, h, i // 32)),
+             ('block_scale', torch.float32, (e, h // 128, i // 128))))
+
+
+def _describe(spec: _WeightSpec) -> str:
+    parts = [f'{dtype} {list(shape)}'.replace('torch.', '') for _, dtype, shape in spec]
+    return parts[0] if len(parts) == 1 else '(' + ', '.join(parts) + ')'
+
+
+def _check_weights(arg: str, weights: object, spec: _WeightSpec, device: torch.device) -> None:
+    expected = _describe(spec)
+    if len(spec) == 1:
+        if not isinstance(weights, torch.Tensor):
+            raise TypeError(f'{arg} must be a tensor {expected} (from transform_weights_for_mega_moe), '
+                            f'got {type(weights).__name__}')
+        tensors = (weights,)
+    else:
+        if not isinstance(weights, (tuple, list)) or len(weights) != len(spec):
+            got = f'a {len(weights)}-tuple' if isinstance(weights, (tuple, list)) else type(weights).__name__
+            raise TypeError(f'{arg} must be a {len(spec)}-tuple {expected} (from transform_weights_for_mega_moe), '
+                            f'got {got}')
+        tensors = tuple(weights)
+    for t, (name, dtype, shape) in zip(tensors, spec):
+        what = arg if len(spec) == 1 else f'{arg} {name}'
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f'{what} must be a torch.Tensor, got {type(t).__name__}')
+        if t.dtype != dtype:
+            raise TypeError(f'{what} must be {dtype}, got {t.dtype} (expected {arg} = {expected})')
+        if tuple(t.shape) != tuple(shape):
+            raise ValueError(f'{what} must have shape {list(shape)}, got {list(t.shape)} (expected {arg} = {expected})')
+        if t.device != device:
+            raise ValueError(f'{what} must be on {device} (the buffer\'s device), got {t.device}')
+        if not t.is_contiguous():
+            raise ValueError(f'{what} must be contiguous')
+
+
+def _validate(kind: str, y: object, l1_weights: object, l2_weights: object, sym_buffer: object,
+              cumulative_local_expert_recv_stats: object, activation: object, activation_clamp: object,
+              fast_math: object, function: str) -> None:
+    if not isinstance(sym_buffer, SymmBuffer):
+        raise TypeError(f'sym_buffer must be a SymmBuffer (from get_symm_buffer_for_mega_moe), '
+                        f'got {type(sym_buffer).__name__}')
+    if sym_buffer.mma_type != kind:
+        raise ValueError(f'sym_buffer was created with mma_type = {sym_buffer.mma_type!r}: {function} expects '
+                         f'mma_type = {kind!r}')
+    device = sym_buffer.device
+    h, i, e = sym_buffer.hidden, sym_buffer.intermediate_hidden, sym_buffer.num_local_experts
+
+    if not isinstance(y, torch.Tensor):
+        raise TypeError(f'y must be a torch.Tensor, got {type(y).__name__}')
+    if y.dtype != torch.bfloat16:
+        raise TypeError(f'y must be torch.bfloat16, got {y.dtype}')
+    if y.dim() != 2 or y.shape[1] != h:
+        raise ValueError(f'y must have shape [n, hidden = {h}], got {list(y.shape)}')
+    if y.shape[0] > sym_buffer.num_max_tokens_per_rank:
+        raise ValueError(f'y has n = {y.shape[0]} tokens: expected n <= num_max_tokens_per_rank = '
+                         f'{sym_buffer.num_max_tokens_per_rank} of sym_buffer')
+    if y.device != device:
+        raise ValueError(f'y must be on {device} (the buffer\'s device), got {y.device}')
+    if not y.is_contiguous():
+        raise ValueError('y must be contiguous')
+
+    l1_spec, l2_spec = _weight_specs(kind, e, i, h)
+    _check_weights('l1_weights', l1_weights, l1_spec, device)
+    _check_weights('l2_weights', l2_weights, l2_spec, device)
+
+    stats = cumulative_local_expert_recv_stats
+    if stats is not None:
+        name = 'cumulative_local_expert_recv_stats'
+        if not isinstance(stats, torch.Tensor):
+            raise TypeError(f'{name} must be None or a torch.Tensor, got {type(stats).__name__}')
+        if stats.dtype != torch.int32:
+            raise TypeError(f'{name} must be torch.int32, got {stats.dtype}')
+        if tuple(stats.shape) != (e,):
+            raise ValueError(f'{name} must have shape [num_local_experts = {e}], got {list(stats.shape)}')
+        if stats.device != device:
+            raise ValueError(f'{name} must be on {device} (the buffer\'s device), got {stats.device}')
+        if not stats.is_contiguous():
+            raise ValueError(f'{name} must be contiguous')
+
+    if activation != 'swiglu':
+        raise ValueError(f'activation = {activation!r} is not supported: expected "swiglu"')
+    if activation_clamp is not None:
+        if (isinstance(activation_clamp, bool) or not isinstance(activation_clamp, numbers.Real)
+                or not math.isfinite(activation_clamp) or activation_clamp <= 0):
+            raise ValueError(f'activation_clamp = {activation_clamp!r} is invalid: expected None or a finite '
+                             'positive number')
+    if not isinstance(fast_math, bool):
+        raise TypeError(f'fast_math = {fast_math!r} must be a bool')
+
+
+def _check_routing_on_host(sym_buffer: SymmBuffer, n: int) -> None:
+    """DG_CHECK_INPUTS=1: copy topk_idx / topk_weights [:n] to the host and check them (synchronizes)."""
+    idx = sym_buffer.topk_idx[:n].cpu()
+    weights = sym_buffer.topk_weights[:n].cpu()
+    bad = (idx < -1) | (idx >= sym_buffer.num_experts)
+    if bool(bad.any()):
+        token, slot = (int(v) for v in bad.nonzero()[0])
+        raise ValueError(f'sym_buffer.topk_idx[{token}, {slot}] = {int(idx[token, slot])} is outside '
+                         f'[-1, num_experts = {sym_buffer.num_experts}) (DG_CHECK_INPUTS=1)')
+    bad = ~torch.isfinite(weights) & (idx != -1)
+    if bool(bad.any()):
+        token, slot = (int(v) for v in bad.nonzero()[0])
+        raise ValueError(f'sym_buffer.topk_weights[{token}, {slot}] = {float(weights[token, slot])} is not finite '
+                         f'(expert {int(idx[token, slot])}) (DG_CHECK_INPUTS=1)')
+
+
+def _run(kind: str, function: str, y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert_recv_stats,
+         activation, activation_clamp, fast_math) -> None:
+    _validate(kind, y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert_recv_stats, activation,
+              activation_clamp, fast_math, function)
+    if os.environ.get('DG_CHECK_INPUTS', '0') == '1':
+        _check_routing_on_host(sym_buffer, y.shape[0])
+    if y.device.type != 'cuda':
+        raise RuntimeError(f'{function} needs an SM90 (Hopper) GPU; y and sym_buffer are on {y.device}')
+    try:
+        from . import launch
+    except ModuleNotFoundError as e:
+        if e.name != f'{__package__}.launch':
+            raise
+        raise NotImplementedError(f'{function}: the kernel launcher (deep_gemm.mega.launch) is not built yet') from e
+    launch.launch_mega_moe(kind, y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert_recv_stats,
+                           None if activation_clamp is None else float(activation_clamp), fast_math)
+
+
+_ARGS_DOC = """
+    Args:
+        y: bfloat16 [n, hidden], contiguous, on the buffer's device: output, overwritten. n (<=
+            num_max_tokens_per_rank, may be 0) is the number of this rank's tokens; their inputs are
+            sym_buffer.x[:n]{sf}, sym_buffer.topk_idx[:n] (int64, -1 = masked slot) and
+            sym_buffer.topk_weights[:n] (float32), written before the call.
+        l1_weights: {l1}
+            rows interleaved gate/up by `transform_weights_for_mega_moe` (E = local experts,
+            I = intermediate_hidden, H = hidden).
+        l2_weights: {l2}
+        sym_buffer: SymmBuffer from `get_symm_buffer_for_mega_moe(..., mma_type="{kind}")`.
+        cumulative_local_expert_recv_stats: None or int32 [E]: the kernel adds the tokens each local
+            expert received in this call.
+        activation: "swiglu" (silu(gate) * up).
+        activation_clamp: None or a finite positive number c: gate clamped to <= c and up to [-c, c]
+            before SwiGLU.
+        fast_math: allow approximate exp/reciprocal in SwiGLU.
+
+    One kernel launch, no host synchronization and no allocation (CUDA-graph capturable), except
+    with DG_CHECK_INPUTS=1, which checks the routing on the host first. Raises TypeError/ValueError
+    naming the argument before anything is written.
+"""
+
+_FORMATS_DOC = (__doc__ or '')[(__doc__ or '').find('Number formats'):] if __doc__ else ''
+
+
+def fp8_fp4_mega_moe(y: torch.Tensor, l1_weights: Weights, l2_weights: Weights, sym_buffer: SymmBuffer,
+                     cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None, activation: str = 'swiglu',
+                     activation_clamp: Optional[float] = None, fast_math: bool = True) -> None:
+    """MoE layer with FP8 (E4M3) activations and MXFP4 weights (y = sum_k w_k * expert_k(x))."""
+    _run('fp8xfp4', 'fp8_fp4_mega_moe', y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert_recv_stats,
+         activation, activation_clamp, fast_math)
+
+
+def fp8_mega_moe(y: torch.Tensor, l1_weights: Weights, l2_weights: Weights, sym_buffer: SymmBuffer,
+                 cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None, activation: str = 'swiglu',
+                 activation_clamp: Optional[float] = None, fast_math: bool = True) -> None:
+    """MoE layer with FP8 (E4M3) activations and FP8 weights with 128x128 block scales."""
+    _run('fp8xfp8', 'fp8_mega_moe', y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert_recv_stats,
+         activation, activation_clamp, fast_math)
+
+
+def bf16_mega_moe(y: torch.Tensor, l1_weights: Weights, l2_weights: Weights, sym_buffer: SymmBuffer,
+                  cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None, activation: str = 'swiglu',
+                  activation_clamp: Optional[float] = None, fast_math: bool = True) -> None:
+    """MoE layer with BF16 activations and BF16 weights."""
+    _run('bf16xbf16', 'bf16_mega_moe', y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert_recv_stats,
+         activation, activation_clamp, fast_math)
+
+
+def _fill_docs() -> None:
+    fp8_sf = ', sym_buffer.x_sf[:n] (float32 [n, hidden/128])'
+    docs = {
+        fp8_fp4_mega_moe: dict(kind='fp8xfp4', sf=' (float8_e4m3fn)' + fp8_sf,
+                               l1='(w uint8 [E, 2I, H/2] packed E2M1, delta uint8 [E, 2I, H/32], '
+                                  'block_scale float32 [E, 2I/128, H/128]),',
+                               l2='(w uint8 [E, H, I/2], delta uint8 [E, H, I/32], block_scale float32 '
+                                  '[E, H/128, I/128]).'),
+        fp8_mega_moe: dict(kind='fp8xfp8', sf=' (float8_e4m3fn)' + fp8_sf,
+                           l1='(w float8_e4m3fn [E, 2I, H], sf float32 [E, 2I/128, H/128]),',
+                           l2='(w float8_e4m3fn [E, H, I], sf float32 [E, H/128, I/128]).'),
+        bf16_mega_moe: dict(kind='bf16xbf16', sf=' (bfloat16)', l1='bfloat16 [E, 2I, H],', l2='bfloat16 [E, H, I].'),
+    }
+    for fn, fields in docs.items():
+        if fn.__doc__ is None:  # python -OO
+            continue
+        fn.__doc__ = fn.__doc__ + '\n' + _ARGS_DOC.format(**fields) + '\n    ' + \
+            _FORMATS_DOC.replace('\n', '\n    ')
+
+
+_fill_docs()

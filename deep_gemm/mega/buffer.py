@@ -1,0 +1,219 @@
+"""The symmetric buffer of the Mega MoE kernel: one allocation per rank, the same layout on every rank.
+
+The layout (offsets and sizes of every section) comes from `deep_gemm/layout/mega_moe.cuh` through
+`deep_gemm._C.get_mega_moe_layout`; this module only makes tensor views at those offsets and never
+computes an offset itself. See docs/BUFFER.md for the layout and its size formula.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Union
+
+import torch
+
+from .. import _C
+from . import status
+
+# Python names of `deep_gemm::MmaType` (csrc types.cuh); the numbers are part of the kernel ABI.
+MMA_TYPES: Dict[str, int] = {'fp8xfp4': 0, 'fp8xfp8': 1, 'bf16xbf16': 2}
+
+
+def mma_type_to_int(mma_type: str) -> int:
+    """Map an MMA type name ("fp8xfp4", "fp8xfp8", "bf16xbf16") to `deep_gemm::MmaType`'s value."""
+    if not isinstance(mma_type, str) or mma_type not in MMA_TYPES:
+        raise ValueError(f'mma_type = {mma_type!r} is invalid: expected one of {", ".join(map(repr, MMA_TYPES))}')
+    return MMA_TYPES[mma_type]
+
+
+def get_mega_moe_layout(num_ranks: int, num_experts: int, num_max_tokens_per_rank: int, num_topk: int,
+                        hidden: int, intermediate_hidden: int, mma_type: str = 'fp8xfp4') -> Dict[str, object]:
+    """The buffer layout: section name -> (offset, num_bytes), plus `num_bytes`, `num_workspace_bytes`,
+    `num_pool_rows`, `num_max_mblocks`, `num_local_experts`. Raises ValueError on an invalid shape."""
+    return _C.get_mega_moe_layout(num_ranks, num_experts, num_max_tokens_per_rank, num_topk, hidden,
+                                  intermediate_hidden, mma_type_to_int(mma_type))
+
+
+def get_symm_buffer_size_for_mega_moe(num_ranks: int, num_experts: int, num_max_tokens_per_rank: int,
+                                      num_topk: int, hidden: int, intermediate_hidden: int,
+                                      mma_type: str = 'fp8xfp4') -> int:
+    """Bytes of one rank's symmetric buffer (every rank allocates the same). Needs no GPU."""
+    return _C.get_symm_buffer_size_for_mega_moe(num_ranks, num_experts, num_max_tokens_per_rank, num_topk, hidden,
+                                                intermediate_hidden, mma_type_to_int(mma_type))
+
+
+def _section(buffer: torch.Tensor, layout: Dict[str, object], name: str) -> torch.Tensor:
+    offset, num_bytes = layout[name]
+    return buffer[offset:offset + num_bytes]
+
+
+class SymmBuffer:
+    """One rank's Mega MoE symmetric buffer and its input views.
+
+    Attributes (N = num_max_tokens_per_rank, H = hidden, K = num_topk):
+        x:            [N, H] float8_e4m3fn ("fp8xfp4", "fp8xfp8") or bfloat16 ("bf16xbf16"), tokens to send
+        x_sf:         [N, H / 128] float32 per-token per-128-channel scales of x; None for "bf16xbf16"
+        topk_idx:     [N, K] int64 global expert ids, -1 = masked slot
+        topk_weights: [N, K] float32 routing weights
+        buffer:       the whole allocation, uint8 [layout['num_bytes']]
+        workspace:    uint8 view of the workspace (counters, slot tables, status); zero at creation
+        layout:       dict from `deep_gemm._C.get_mega_moe_layout` (section -> (offset, num_bytes), sizes)
+        peer_ptrs:    every rank's buffer base address (list of num_ranks ints, index = rank)
+        rank, num_ranks, group, num_experts, num_local_experts, num_max_tokens_per_rank, num_topk,
+        hidden, intermediate_hidden, mma_type (the string)
+
+    Only rows [:n] of the input views are read by a call with n tokens. Create it with
+    `get_symm_buffer_for_mega_moe` (or `deep_gemm.testing.virtual_ranks.make_virtual_ranks`).
+    """
+
+    def __init__(self, buffer: torch.Tensor, *, rank: int, num_ranks: int, peer_ptrs: Sequence[int], group,
+                 num_experts: int, num_max_tokens_per_rank: int, num_topk: int, hidden: int,
+                 intermediate_hidden: int, mma_type: str, layout: Optional[Dict[str, object]] = None,
+                 handle=None) -> None:
+        if layout is None:
+            layout = get_mega_moe_layout(num_ranks, num_experts, num_max_tokens_per_rank, num_topk, hidden,
+                                         intermediate_hidden, mma_type)
+        if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < layout['num_bytes']:
+            raise ValueError(f'buffer must be a 1-D uint8 tensor of at least {layout["num_bytes"]} bytes, '
+                             f'got {buffer.dtype} {tuple(buffer.shape)}')
+        if not 0 <= rank < num_ranks:
+            raise ValueError(f'rank = {rank} is invalid: expected 0 <= rank < num_ranks = {num_ranks}')
+        if len(peer_ptrs) != num_ranks:
+            raise ValueError(f'peer_ptrs has {len(peer_ptrs)} entries: expected num_ranks = {num_ranks}')
+
+        self.group = group
+        self.rank = rank
+        self.num_ranks = num_ranks
+        self.num_experts = num_experts
+        self.num_local_experts: int = layout['num_local_experts']
+        self.num_max_tokens_per_rank = num_max_tokens_per_rank
+        self.num_topk = num_topk
+        self.hidden = hidden
+        self.intermediate_hidden = intermediate_hidden
+        self.mma_type = mma_type
+        self.layout = layout
+        self.buffer = buffer
+        self.peer_ptrs: List[int] = [int(p) for p in peer_ptrs]
+        # Keeps the symmetric-memory mapping (and so every peer pointer) alive with the buffer
+        self._handle = handle
+        # CTAs of this rank's persistent grid; None = `deep_gemm.get_num_sms()`. Virtual ranks
+        # sharing one GPU each get a slice so that all of them are resident at once.
+        self.num_sms: Optional[int] = None
+        self._host_status: Optional[torch.Tensor] = None
+
+        n, h, k = num_max_tokens_per_rank, hidden, num_topk
+        fp8 = mma_type != 'bf16xbf16'
+        x_dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+        self.x: torch.Tensor = _section(buffer, layout, 'x').view(x_dtype).view(n, h)
+        self.x_sf: Optional[torch.Tensor] = (_section(buffer, layout, 'x_sf').view(torch.float32).view(n, h // 128)
+                                             if fp8 else None)
+        self.topk_idx: torch.Tensor = _section(buffer, layout, 'topk_idx').view(torch.int64).view(n, k)
+        self.topk_weights: torch.Tensor = _section(buffer, layout, 'topk_weights').view(torch.float32).view(n, k)
+        self.workspace: torch.Tensor = buffer[:layout['num_workspace_bytes']]
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the buffer."""
+        return self.buffer.device
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes of the buffer's layout."""
+        return self.layout['num_bytes']
+
+    def reset(self) -> None:
+        """Zero the workspace (counters, slot tables, status): recovery after an error.
+
+        With several ranks every rank must reset before any rank calls the kernel again.
+        """
+        self.workspace.zero_()
+        status.clear(self)
+
+    def _initialize(self) -> None:
+        # Counters and epochs start at 0; inputs hold harmless values (no routed slot) until written
+        self.reset()
+        self.x.zero_()
+        if self.x_sf is not None:
+            self.x_sf.fill_(1.0)
+        self.topk_idx.fill_(-1)
+        self.topk_weights.zero_()
+
+    def check(self) -> None:
+        """Raise `MegaMoEError` if a call on this buffer recorded an error (stalled peer, bad expert id).
+
+        Synchronizes the device. Without `check()` the error is raised by the next call on the buffer.
+        """
+        status.raise_if_failed(self, sync=True)
+
+    def stage(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> None:
+        """Quantize BF16 x [n, hidden] into the buffer and copy the routing, in one launch."""
+        raise NotImplementedError('SymmBuffer.stage lands with issue 3/5 (fused input staging)')
+
+    def __repr__(self) -> str:
+        gib = self.num_bytes / 2 ** 30
+        return (f'SymmBuffer(rank={self.rank}/{self.num_ranks}, mma_type={self.mma_type!r}, '
+                f'num_experts={self.num_experts} ({self.num_local_experts} local), '
+                f'num_max_tokens_per_rank={self.num_max_tokens_per_rank}, num_topk={self.num_topk}, '
+                f'hidden={self.hidden}, intermediate_hidden={self.intermediate_hidden}, '
+                f'num_pool_rows={self.layout["num_pool_rows"]}, bytes={self.num_bytes} ({gib:.3f} GiB), '
+                f'device={self.device})')
+
+
+def _group_size(group) -> int:
+    if group is None:
+        return 1
+    import torch.distributed as dist
+    return dist.get_world_size(group)
+
+
+def get_symm_buffer_for_mega_moe(group, num_experts: int, num_max_tokens_per_rank: int, num_topk: int, hidden: int,
+                                 intermediate_hidden: int, mma_type: str = 'fp8xfp4', *,
+                                 device: Optional[Union[str, torch.device]] = None) -> SymmBuffer:
+    """Allocate this rank's Mega MoE symmetric buffer.
+
+    Args:
+        group: the expert-parallel `torch.distributed` process group (at most 8 ranks of one node), or
+            None for one GPU. Collective: every rank of the group must call it with the same arguments.
+        num_experts: experts of the layer (all ranks); a multiple of the group size.
+        num_max_tokens_per_rank: most tokens any rank sends in one call (`n` of every call is <= this).
+        num_topk: experts per token.
+        hidden, intermediate_hidden: H and I, multiples of 128.
+        mma_type: "fp8xfp4", "fp8xfp8" or "bf16xbf16" (selects the entry point the buffer serves).
+        device: where to allocate; default "cuda" (the current device). "cpu" works for one rank only
+            (layout and validation tests).
+
+    Returns:
+        A SymmBuffer whose workspace is zero and whose topk_idx is all -1.
+    """
+    mma_type_to_int(mma_type)
+    num_ranks = _group_size(group)
+    layout = get_mega_moe_layout(num_ranks, num_experts, num_max_tokens_per_rank, num_topk, hidden,
+                                 intermediate_hidden, mma_type)
+    num_bytes = layout['num_bytes']
+    if num_ranks == 1:
+        buffer = torch.empty(num_bytes, dtype=torch.uint8, device=device if device is not None else 'cuda')
+        sym = SymmBuffer(buffer, rank=0, num_ranks=1, peer_ptrs=[buffer.data_ptr()], group=group,
+                         num_experts=num_experts, num_max_tokens_per_rank=num_max_tokens_per_rank,
+                         num_topk=num_topk, hidden=hidden, intermediate_hidden=intermediate_hidden,
+                         mma_type=mma_type, layout=layout)
+        sym._initialize()
+        return sym
+
+    import torch.distributed as dist
+    import torch.distributed._symmetric_memory as symm_mem
+    if device is None:
+        device = torch.device('cuda', torch.cuda.current_device())
+    device = torch.device(device)
+    if device.type != 'cuda':
+        raise ValueError(f'device = {device} is invalid for a group of {num_ranks} ranks: expected a CUDA device')
+    buffer = symm_mem.empty(num_bytes, dtype=torch.uint8, device=device)
+    handle = symm_mem.rendezvous(buffer, group)
+    rank = dist.get_rank(group)
+    peer_ptrs = [int(p) for p in handle.buffer_ptrs]
+    sym = SymmBuffer(buffer, rank=rank, num_ranks=num_ranks, peer_ptrs=peer_ptrs, group=group,
+                     num_experts=num_experts, num_max_tokens_per_rank=num_max_tokens_per_rank, num_topk=num_topk,
+                     hidden=hidden, intermediate_hidden=intermediate_hidden, mma_type=mma_type, layout=layout,
+                     handle=handle)
+    sym._initialize()
+    # Peers write into this workspace from their first call on: it must be zero before any rank starts
+    torch.cuda.synchronize(device)
+    dist.barrier(group=group)
+    return sym

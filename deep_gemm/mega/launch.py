@@ -1,0 +1,49 @@
+"""Host side of one Mega MoE call: addresses, stream, SM count, status mirror -> `_C.launch_mega_moe`.
+
+Called by `deep_gemm.mega.api` after validation; nothing here allocates device memory or
+synchronizes, so calls are CUDA-graph capturable (the pinned status mirror is made on first use,
+outside any capture that follows a warm-up call).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import _C
+from . import status
+from .buffer import mma_type_to_int
+
+_max_smem_by_device = {}
+
+
+def _max_smem(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _max_smem_by_device:
+        _max_smem_by_device[index] = int(_C.get_device_info(index)['max_smem_per_block_optin'])
+    return _max_smem_by_device[index]
+
+
+def launch_mega_moe(kind: str, y: torch.Tensor, l1, l2, buf, stats: Optional[torch.Tensor],
+                    activation_clamp: Optional[float], fast_math: bool) -> None:
+    """Launch one rank's kernel on the current stream (see `deep_gemm.fp8_mega_moe`)."""
+    # A previous call on this buffer that failed is reported now, without a sync (DESIGN.md §6)
+    status.raise_if_failed(buf)
+    mirror = status.host_status(buf)
+    if kind == 'bf16xbf16':
+        l1_w, l1_s, l2_w, l2_s = l1.data_ptr(), 0, l2.data_ptr(), 0
+    elif kind == 'fp8xfp8':
+        l1_w, l1_s, l2_w, l2_s = l1[0].data_ptr(), l1[1].data_ptr(), l2[0].data_ptr(), l2[1].data_ptr()
+    else:
+        raise NotImplementedError('fp8_fp4_mega_moe: the FP8 x FP4 kernel lands with issue 4; '
+                                  'use fp8_mega_moe (E4M3 weights) or bf16_mega_moe meanwhile')
+    num_sms = getattr(buf, 'num_sms', None) or _C.get_num_sms()
+    _C.launch_mega_moe(
+        mma_type=mma_type_to_int(kind), buffers=list(buf.peer_ptrs), rank=buf.rank, num_experts=buf.num_experts,
+        num_max_tokens_per_rank=buf.num_max_tokens_per_rank, num_topk=buf.num_topk, hidden=buf.hidden,
+        intermediate_hidden=buf.intermediate_hidden, num_tokens=y.shape[0], y=y.data_ptr(),
+        l1_weights=l1_w, l1_weight_scales=l1_s, l2_weights=l2_w, l2_weight_scales=l2_s,
+        stats=0 if stats is None else stats.data_ptr(), host_status=0 if mirror is None else mirror.data_ptr(),
+        stream=torch.cuda.current_stream(y.device).cuda_stream,
+        activation_clamp=0.0 if activation_clamp is None else float(activation_clamp), fast_math=bool(fast_math),
+        timeout_s=status.get_timeout(), num_sms=int(num_sms), max_smem_bytes=_max_smem(y.device))

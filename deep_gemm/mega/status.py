@@ -1,0 +1,96 @@
+"""Errors a Mega MoE call records on the device, and how the host surfaces them (DESIGN.md §6).
+
+The kernel writes the first error of a call into the buffer's status words and into a small
+pinned host mirror, without trapping: the process and its CUDA context stay usable. The host
+reads the mirror (no synchronization) before the next call on the buffer, or on demand through
+`SymmBuffer.check()`, and raises `MegaMoEError`; `SymmBuffer.reset()` makes the buffer usable again.
+
+Encoding (deep_gemm/include/deep_gemm/impls/mega_moe_params.cuh): bits 0-7 code, 8-15 phase,
+16-23 rank, 24-39 CTA, 40-63 detail.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+CODES = {1: 'timeout', 2: 'expert id outside [-1, num_experts)', 3: 'corrupted receive count',
+         4: 'a token lists the same expert more than once'}
+PHASES = {0: 'none', 1: 'waiting for receive counts', 2: 'pull', 3: 'L1 waiting for its M-block tokens',
+          4: 'L2 waiting for L1 of its M-block', 5: 'combine waiting for peers', 6: 'pipeline', 7: 'count'}
+
+_timeout_s: Optional[float] = None
+
+
+def set_timeout(seconds: float) -> None:
+    """Bound every spin-wait of the Mega MoE kernels (default `DG_TIMEOUT_S`, else 5 s)."""
+    global _timeout_s
+    if not (isinstance(seconds, (int, float)) and seconds > 0):
+        raise ValueError(f'seconds: expected a positive number, got {seconds!r}')
+    _timeout_s = float(seconds)
+
+
+def get_timeout() -> float:
+    """Current spin-wait bound in seconds."""
+    if _timeout_s is not None:
+        return _timeout_s
+    return float(os.environ.get('DG_TIMEOUT_S', '5'))
+
+
+class MegaMoEError(RuntimeError):
+    """A Mega MoE call failed on the device; `code`, `phase`, `rank`, `cta`, `detail` decode the status word."""
+
+    def __init__(self, word: int, own_rank: int, fatal: bool) -> None:
+        self.word = word
+        self.code = word & 0xFF
+        self.phase = (word >> 8) & 0xFF
+        self.rank = (word >> 16) & 0xFF
+        self.cta = (word >> 24) & 0xFFFF
+        self.detail = (word >> 40) & 0xFFFFFF
+        self.fatal = fatal
+        what = CODES.get(self.code, f'unknown error code {self.code}')
+        phase = PHASES.get(self.phase, f'phase {self.phase}')
+        if self.code == 1:
+            msg = (f'Mega MoE rank {own_rank}: timeout in phase "{phase}" waiting for rank {self.rank} '
+                   f'(CTA {self.cta}); a peer stalled or was never launched. Call reset() on every rank.')
+        elif self.code in (2, 4):
+            msg = (f'Mega MoE rank {own_rank}: {what} at token {self.detail} (the slot was skipped, '
+                   f'the output of that token is incomplete)')
+        else:
+            msg = f'Mega MoE rank {own_rank}: {what} in phase "{phase}" (rank {self.rank}, detail {self.detail})'
+        super().__init__(msg)
+
+
+def host_status(buffer) -> Optional[torch.Tensor]:
+    """The pinned [2] int64 mirror of `buffer`'s status words (created on first use; GPU only)."""
+    mirror = getattr(buffer, '_host_status', None)
+    if mirror is None and buffer.device.type == 'cuda':
+        mirror = torch.zeros(2, dtype=torch.int64, pin_memory=True)
+        buffer._host_status = mirror
+    return mirror
+
+
+def raise_if_failed(buffer, sync: bool = False) -> None:
+    """Raise `MegaMoEError` if a finished call on `buffer` recorded an error.
+
+    `sync=False` reads only the host mirror (no device synchronization: it sees calls that have
+    completed); `sync=True` also synchronizes and reads the device words.
+    """
+    word, fatal = 0, 0
+    mirror = getattr(buffer, '_host_status', None)
+    if sync:
+        torch.cuda.synchronize(buffer.device) if buffer.device.type == 'cuda' else None
+        device_words = buffer.workspace[buffer.layout['status'][0]:buffer.layout['status'][0] + 16].view(torch.int64)
+        word, fatal = int(device_words[0]), int(device_words[1])
+    if not word and mirror is not None:
+        word, fatal = int(mirror[0]), int(mirror[1])
+    if word:
+        raise MegaMoEError(word & 0xFFFFFFFFFFFFFFFF, buffer.rank, bool(fatal))
+
+
+def clear(buffer) -> None:
+    """Forget recorded errors (part of `SymmBuffer.reset()`)."""
+    mirror = getattr(buffer, '_host_status', None)
+    if mirror is not None:
+        mirror.zero_()

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One `device` call on the H200: install the carried wheels, build deep_gemm._C for the device's
+# Python, run the GPU tests and a short benchmark, leave logs under $OUT.
+#
+#   run(command="bash scripts/device_run.sh [pytest args...]", carry=[".whl", ".jit_cache"])
+#
+# .whl holds nvidia-cutlass (CuTe headers); .jit_cache holds kernels compiled on the CPU machine
+# (`python scripts/prebuild_kernels.py`), so nvcc time is not spent on device time.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+export DG_JIT_CACHE_DIR=$PWD/.jit_cache
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    > "$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
+export PYTHONPATH=/tmp/site:$PWD
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
+python3 setup.py build_ext --inplace -q > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+start=$(date +%s)
+python3 -m pytest tests -q -x -p no:cacheprovider --timeout=300 "$@" 2>&1 | tee "$OUT/tests.log" | tail -40
+status=${PIPESTATUS[0]}
+echo "tests took $(( $(date +%s) - start )) s, exit $status"
+if [ "${DG_RUN_BENCH:-0}" = "1" ]; then
+    python3 -m deep_gemm.bench --quick --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench.log" | tail -40
+fi
+exit $status

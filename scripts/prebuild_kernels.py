@@ -1,0 +1,37 @@
+"""Compile every Mega MoE kernel variant the heuristics can pick on an H100/H200, for sm_90a.
+
+Run on the CPU machine before a device call and carry DG_JIT_CACHE_DIR (default ./.jit_cache):
+the cache key holds no machine-specific path, so the device finds these cubins.
+
+    DG_JIT_CACHE_DIR=.jit_cache python scripts/prebuild_kernels.py
+"""
+import os
+import sys
+import time
+
+os.environ.setdefault('DG_JIT_CACHE_DIR', os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                       '.jit_cache'))
+import deep_gemm  # noqa: E402
+from deep_gemm import _C  # noqa: E402
+from deep_gemm.mega.buffer import mma_type_to_int  # noqa: E402
+
+H200_SMEM = 232448
+
+
+def variants(formats=('fp8xfp8', 'bf16xbf16')):
+    seen = set()
+    for fmt in formats:
+        for n in (1, 1 << 16):   # decode picks BLOCK_M 64, prefill 128
+            c = _C.get_mega_moe_config(mma_type_to_int(fmt), 1, 256, 8, 7168, 2048, n, 132, H200_SMEM)
+            for fast in (True, False):
+                key = (mma_type_to_int(fmt), c['block_m'], c['num_stages'], fast)
+                if key not in seen:
+                    seen.add(key)
+                    yield key
+
+
+if __name__ == '__main__':
+    for key in variants(sys.argv[1:] or ('fp8xfp8', 'bf16xbf16')):
+        t = time.time()
+        path = _C.compile_mega_moe(*key)
+        print(f'{key}: {time.time() - t:.1f} s -> {path}')

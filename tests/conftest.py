@@ -1,0 +1,63 @@
+"""Shared pytest fixtures.
+
+CPU tests always run; tests that need nvcc or a Hopper GPU ask for the `requires_nvcc` /
+`requires_sm90` fixtures and skip with a reason when those are missing.
+"""
+import os
+import sys
+
+import pytest
+
+# `python -m pytest` from the repo root already finds the in-place build; plain `pytest` may not
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO_ROOT not in sys.path:
+    sys.path.insert(0, REPO_ROOT)
+
+from deep_gemm import _C  # noqa: E402
+from deep_gemm.cuda_home import find_cuda_home  # noqa: E402
+
+
+def nvcc_path():
+    """The nvcc the JIT would use (DG_NVCC, else the CUDA toolkit's), or None."""
+    if os.environ.get('DG_NVCC'):
+        return os.environ['DG_NVCC']
+    home = find_cuda_home()
+    return os.path.join(home, 'bin', 'nvcc') if home else None
+
+
+def sm90_gpu_available() -> bool:
+    """A Hopper GPU that torch can use (tests allocate their tensors with torch)."""
+    if not _C.has_cuda_driver():
+        return False
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.fixture
+def requires_nvcc():
+    """Skip unless a CUDA toolkit (nvcc) is available for JIT compilation."""
+    path = nvcc_path()
+    if not path or not os.path.isfile(path):
+        pytest.skip('nvcc not found (set CUDA_HOME or DG_NVCC)')
+    return path
+
+
+@pytest.fixture
+def requires_sm90():
+    """Skip unless an SM90 (Hopper) GPU, its driver and CUDA-enabled torch are present."""
+    if not sm90_gpu_available():
+        pytest.skip('needs an SM90 (Hopper) GPU with a CUDA driver and CUDA-enabled torch')
+
+
+@pytest.fixture
+def jit_cache_dir(tmp_path):
+    """A private, empty JIT cache for one test; the process-wide setting is restored after it."""
+    import deep_gemm.jit
+    deep_gemm.jit.init()
+    cache = tmp_path / 'jit_cache'
+    _C.set_cache_dir(str(cache))
+    yield cache
+    _C.set_cache_dir('')

@@ -1,0 +1,252 @@
+"""Host-side validation of the Mega MoE entry points, on CPU: every bad argument is a clear error
+naming it, raised before anything is written."""
+import math
+
+import pytest
+import torch
+
+import deep_gemm.mega as mega
+from deep_gemm.mega import (SymmBuffer, bf16_mega_moe, fp8_fp4_mega_moe, fp8_mega_moe, get_symm_buffer_for_mega_moe,
+                            transform_weights_for_mega_moe)
+
+E, N, K, H, I = 4, 8, 2, 256, 128
+ENTRY = {'fp8xfp4': fp8_fp4_mega_moe, 'fp8xfp8': fp8_mega_moe, 'bf16xbf16': bf16_mega_moe}
+
+
+def make_weights(mma_type):
+    if mma_type == 'bf16xbf16':
+        l1, l2 = torch.zeros(E, 2 * I, H, dtype=torch.bfloat16), torch.zeros(E, H, I, dtype=torch.bfloat16)
+    elif mma_type == 'fp8xfp8':
+        l1 = (torch.zeros(E, 2 * I, H, dtype=torch.float8_e4m3fn), torch.ones(E, 2 * I // 128, H // 128))
+        l2 = (torch.zeros(E, H, I, dtype=torch.float8_e4m3fn), torch.ones(E, H // 128, I // 128))
+    else:
+        l1 = (torch.zeros(E, 2 * I, H // 2, dtype=torch.uint8), torch.full((E, 2 * I, H // 32), 127, dtype=torch.uint8))
+        l2 = (torch.zeros(E, H, I // 2, dtype=torch.uint8), torch.full((E, H, I // 32), 127, dtype=torch.uint8))
+    return transform_weights_for_mega_moe(l1, l2)
+
+
+class Case:
+    def __init__(self, mma_type='fp8xfp4', n=N):
+        self.mma_type = mma_type
+        self.fn = ENTRY[mma_type]
+        self.buf = get_symm_buffer_for_mega_moe(None, E, N, K, H, I, mma_type=mma_type, device='cpu')
+        self.buf.topk_idx[:n] = torch.randint(0, E, (n, K))
+        self.buf.topk_weights[:n] = 0.5
+        self.l1, self.l2 = make_weights(mma_type)
+        self.y = torch.full((n, H), 7.0, dtype=torch.bfloat16)
+        self.snapshot = self.buf.buffer.clone()
+        self.y_snapshot = self.y.clone()
+
+    def kwargs(self, **overrides):
+        args = dict(y=self.y, l1_weights=self.l1, l2_weights=self.l2, sym_buffer=self.buf,
+                    cumulative_local_expert_recv_stats=None, activation='swiglu', activation_clamp=None,
+                    fast_math=True)
+        args.update(overrides)
+        return args
+
+    def reject(self, error, match, **overrides):
+        with pytest.raises(error, match=match):
+            self.fn(**self.kwargs(**overrides))
+        assert torch.equal(self.buf.buffer, self.snapshot), 'a rejected call wrote into the buffer'
+        assert torch.equal(self.y, self.y_snapshot), 'a rejected call wrote into y'
+
+
+@pytest.fixture(params=list(ENTRY))
+def case(request):
+    return Case(request.param)
+
+
+def test_valid_call_on_cpu_reaches_the_gpu_check(case):
+    # Everything valid: the only complaint left is the missing GPU, still before anything is written
+    case.reject(RuntimeError, 'SM90')
+    case.reject(RuntimeError, 'Hopper', cumulative_local_expert_recv_stats=torch.zeros(E, dtype=torch.int32),
+                activation_clamp=10.0, fast_math=False)
+
+
+def test_n_zero_is_valid(case):
+    case.reject(RuntimeError, 'SM90', y=torch.empty(0, H, dtype=torch.bfloat16))
+
+
+# y --------------------------------------------------------------------------------------------------
+
+def test_y_wrong_dtype(case):
+    case.reject(TypeError, r'y must be torch\.bfloat16', y=torch.zeros(N, H))
+
+
+def test_y_wrong_shape(case):
+    case.reject(ValueError, r'y must have shape \[n, hidden = 256\]', y=torch.zeros(N, H + 128, dtype=torch.bfloat16))
+    case.reject(ValueError, 'y must have shape', y=torch.zeros(N * H, dtype=torch.bfloat16))
+
+
+def test_y_too_many_tokens(case):
+    case.reject(ValueError, 'num_max_tokens_per_rank = 8', y=torch.zeros(N + 1, H, dtype=torch.bfloat16))
+
+
+def test_y_not_contiguous(case):
+    case.reject(ValueError, 'y must be contiguous', y=torch.zeros(H, N, dtype=torch.bfloat16).t())
+
+
+def test_y_wrong_device(case):
+    case.reject(ValueError, "y must be on cpu", y=torch.zeros(N, H, dtype=torch.bfloat16, device='meta'))
+
+
+def test_y_not_a_tensor(case):
+    case.reject(TypeError, 'y must be a torch.Tensor', y=[[0.0] * H])
+
+
+# sym_buffer ---------------------------------------------------------------------------------------
+
+def test_wrong_buffer_type(case):
+    case.reject(TypeError, 'sym_buffer must be a SymmBuffer', sym_buffer=case.buf.buffer)
+
+
+def test_buffer_of_another_format():
+    case = Case('fp8xfp8')
+    other = get_symm_buffer_for_mega_moe(None, E, N, K, H, I, mma_type='bf16xbf16', device='cpu')
+    case.reject(ValueError, "mma_type = 'bf16xbf16'.*fp8_mega_moe expects mma_type = 'fp8xfp8'", sym_buffer=other)
+
+
+def test_hidden_not_multiple_of_128_at_buffer_creation():
+    with pytest.raises(ValueError, match='hidden = 200'):
+        get_symm_buffer_for_mega_moe(None, E, N, K, 200, I, device='cpu')
+    with pytest.raises(ValueError, match='intermediate_hidden = 100'):
+        get_symm_buffer_for_mega_moe(None, E, N, K, H, 100, device='cpu')
+
+
+# weights ------------------------------------------------------------------------------------------
+
+def test_weights_wrong_structure(case):
+    if case.mma_type == 'bf16xbf16':
+        case.reject(TypeError, 'l1_weights must be a tensor', l1_weights=(case.l1,))
+    else:
+        case.reject(TypeError, r'l1_weights must be a \d-tuple', l1_weights=case.l1[0])
+        case.reject(TypeError, r'l2_weights must be a \d-tuple', l2_weights=tuple(case.l2[:-1]))
+
+
+def test_untransformed_fp4_weights_rejected():
+    case = Case('fp8xfp4')
+    raw = (case.l1[0], case.l1[1])
+    case.reject(TypeError, 'transform_weights_for_mega_moe', l1_weights=raw)
+
+
+def test_weights_wrong_dtype(case):
+    if case.mma_type == 'bf16xbf16':
+        case.reject(TypeError, r'l1_weights must be torch\.bfloat16', l1_weights=case.l1.float())
+    elif case.mma_type == 'fp8xfp8':
+        case.reject(TypeError, r'l1_weights weights must be torch\.float8_e4m3fn',
+                    l1_weights=(case.l1[0].view(torch.uint8), case.l1[1]))
+        case.reject(TypeError, r'l2_weights scales must be torch\.float32', l2_weights=(case.l2[0], case.l2[1].double()))
+    else:
+        case.reject(TypeError, r'l2_weights block_scale must be torch\.float32',
+                    l2_weights=(case.l2[0], case.l2[1], case.l2[2].half()))
+        case.reject(TypeError, r'l1_weights delta must be torch\.uint8',
+                    l1_weights=(case.l1[0], case.l1[1].to(torch.int8), case.l1[2]))
+
+
+def test_weights_wrong_shape(case):
+    def first(w):
+        return w if isinstance(w, torch.Tensor) else w[0]
+
+    def replace_first(w, t):
+        return t if isinstance(w, torch.Tensor) else (t, *w[1:])
+
+    w1 = first(case.l1)
+    case.reject(ValueError, r'l1_weights.*must have shape \[4, 256', l1_weights=replace_first(case.l1, w1[:-1]))
+    w2 = first(case.l2)
+    bigger = torch.cat([w2, w2[:1]])
+    case.reject(ValueError, r'l2_weights.*must have shape \[4, 256', l2_weights=replace_first(case.l2, bigger))
+    # l1 and l2 swapped
+    case.reject((ValueError, TypeError), 'l1_weights', l1_weights=case.l2, l2_weights=case.l1)
+    if case.mma_type != 'bf16xbf16':
+        sf = case.l1[-1]
+        case.reject(ValueError, r'l1_weights (scales|block_scale) must have shape',
+                    l1_weights=(*case.l1[:-1], sf[:, :, :-1].contiguous()))
+
+
+def test_weights_not_contiguous(case):
+    w1 = case.l1 if isinstance(case.l1, torch.Tensor) else case.l1[0]
+    strided = torch.empty(w1.shape[0], w1.shape[2], w1.shape[1], dtype=w1.dtype).transpose(1, 2)
+    weights = strided if isinstance(case.l1, torch.Tensor) else (strided, *case.l1[1:])
+    case.reject(ValueError, 'l1_weights.*must be contiguous', l1_weights=weights)
+
+
+def test_weights_wrong_device(case):
+    def to_meta(w):
+        return w.to('meta') if isinstance(w, torch.Tensor) else tuple(t.to('meta') for t in w)
+    case.reject(ValueError, 'l2_weights.*must be on cpu', l2_weights=to_meta(case.l2))
+
+
+# stats, activation, options -----------------------------------------------------------------------
+
+@pytest.mark.parametrize('stats, error, match', [
+    (torch.zeros(E + 1, dtype=torch.int32), ValueError, r'shape \[num_local_experts = 4\]'),
+    (torch.zeros(E, 1, dtype=torch.int32), ValueError, r'shape \[num_local_experts = 4\]'),
+    (torch.zeros(E, dtype=torch.int64), TypeError, r'torch\.int32'),
+    (torch.zeros(2 * E, dtype=torch.int32)[::2], ValueError, 'contiguous'),
+    (torch.zeros(E, dtype=torch.int32, device='meta'), ValueError, 'must be on cpu'),
+    ([0] * E, TypeError, 'torch.Tensor'),
+])
+def test_stats(stats, error, match):
+    case = Case('fp8xfp8')
+    case.reject(error, 'cumulative_local_expert_recv_stats.*' + match, cumulative_local_expert_recv_stats=stats)
+
+
+@pytest.mark.parametrize('activation', ['gelu', 'SwiGLU', None])
+def test_bad_activation(activation):
+    Case('bf16xbf16').reject(ValueError, 'activation', activation=activation)
+
+
+@pytest.mark.parametrize('clamp', [0, -1.0, math.inf, math.nan, True, '7', torch.tensor(7.0)])
+def test_bad_activation_clamp(clamp):
+    Case('fp8xfp4').reject(ValueError, 'activation_clamp', activation_clamp=clamp)
+
+
+@pytest.mark.parametrize('fast_math', [1, None, 'yes'])
+def test_bad_fast_math(fast_math):
+    Case('fp8xfp4').reject(TypeError, 'fast_math', fast_math=fast_math)
+
+
+# DG_CHECK_INPUTS ----------------------------------------------------------------------------------
+
+def test_check_inputs_flags_bad_expert(monkeypatch):
+    monkeypatch.setenv('DG_CHECK_INPUTS', '1')
+    case = Case('fp8xfp8')
+    case.buf.topk_idx[5, 1] = E
+    case.buf.topk_idx[6, 0] = -3
+    case.snapshot = case.buf.buffer.clone()
+    case.reject(ValueError, r'topk_idx\[5, 1\] = 4 is outside \[-1, num_experts = 4\)')
+
+
+def test_check_inputs_flags_non_finite_weight(monkeypatch):
+    monkeypatch.setenv('DG_CHECK_INPUTS', '1')
+    case = Case('fp8xfp8')
+    case.buf.topk_weights[3, 0] = math.nan
+    case.buf.topk_idx[2, 1] = -1
+    case.buf.topk_weights[2, 1] = math.inf     # masked slot: its weight is never read
+    case.snapshot = case.buf.buffer.clone()
+    case.reject(ValueError, r'topk_weights\[3, 0\] = nan is not finite')
+
+
+def test_check_inputs_only_reads_the_first_n_tokens(monkeypatch):
+    monkeypatch.setenv('DG_CHECK_INPUTS', '1')
+    case = Case('fp8xfp8', n=4)
+    case.buf.topk_idx[6, 0] = 1000    # beyond n: not part of this call
+    case.snapshot = case.buf.buffer.clone()
+    case.reject(RuntimeError, 'SM90')
+
+
+def test_check_inputs_off_does_not_look(monkeypatch):
+    monkeypatch.delenv('DG_CHECK_INPUTS', raising=False)
+    case = Case('fp8xfp8')
+    case.buf.topk_idx[5, 1] = 1000
+    case.snapshot = case.buf.buffer.clone()
+    case.reject(RuntimeError, 'SM90')
+
+
+def test_public_names():
+    for name in mega.__all__:
+        obj = getattr(mega, name)
+        assert obj is not None
+        if callable(obj):
+            assert obj.__doc__, name
+    assert issubclass(SymmBuffer, object)

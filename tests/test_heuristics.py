@@ -1,0 +1,165 @@
+"""Config heuristics of the Mega MoE kernel (`csrc/jit_kernels/heuristics/mega_moe.hpp`)."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from deep_gemm import _C
+from deep_gemm.mega import MMA_TYPES
+
+H200_SMEM = 232448
+H200_SMS = 132
+
+
+def config(mma_type='fp8xfp4', num_ranks=8, num_experts=256, num_topk=8, hidden=7168, intermediate_hidden=2048,
+           num_tokens=128, num_sms=H200_SMS, max_smem_bytes=H200_SMEM):
+    return _C.get_mega_moe_config(MMA_TYPES[mma_type], num_ranks, num_experts, num_topk, hidden,
+                                  intermediate_hidden, num_tokens, num_sms, max_smem_bytes)
+
+
+def expected_smem(mma_type, block_m, stages):
+    # Written from the kernel's carve-up (deep_gemm/impls/mega_moe_params.cuh), independently of the
+    # C++: per stage an A tile of block_m rows x 128 bytes of K and the 256-row L1 B tile x 128 bytes;
+    # the epilogue tile of block_m BF16 rows of 128 columns padded by 16 bytes; the control block
+    # (2 mbarriers per stage, a 4-slot task ring of 2 mbarriers + an int each, 2 x 512 + 1 ints of
+    # expert tables, 64 bytes of scalars) rounded up to 1 KB; 1 KB to re-align the base.
+    block_k = 64 if mma_type == 'bf16xbf16' else 128
+    elem = 2 if mma_type == 'bf16xbf16' else 1
+    a = block_m * block_k * elem
+    b = 256 * block_k * elem
+    epilogue = block_m * (128 * 2 + 16)
+    control = -(-(stages * 16 + 4 * 20 + (2 * 512 + 1) * 4 + 64) // 1024) * 1024
+    return stages * (a + b) + epilogue + control + 1024
+
+
+def test_decode_picks_block_m_64_and_prefill_128():
+    decode = config(num_tokens=8)
+    assert decode['block_m'] == 64 and decode['num_math_warpgroups'] == 1 and decode['num_threads'] == 256
+    prefill = config(num_tokens=4096)
+    assert prefill['block_m'] == 128 and prefill['num_math_warpgroups'] == 2 and prefill['num_threads'] == 384
+    # The boundary: 64 expected tokens per local expert is still block_m 64 (n * R * topk / E)
+    assert config(num_tokens=256, num_ranks=8, num_experts=256, num_topk=8)['block_m'] == 64   # 64 per expert
+    assert config(num_tokens=257, num_ranks=8, num_experts=256, num_topk=8)['block_m'] == 128
+    # One GPU, few experts: 64 tokens x 8 / 8 experts = 64 per expert
+    assert config(num_ranks=1, num_experts=8, num_topk=8, num_tokens=64)['block_m'] == 64
+    assert config(num_ranks=1, num_experts=8, num_topk=8, num_tokens=65)['block_m'] == 128
+    # n = 0 (a rank with no tokens this call) is valid
+    assert config(num_tokens=0)['block_m'] == 64
+
+
+@pytest.mark.parametrize('mma_type', list(MMA_TYPES))
+def test_fixed_tiles(mma_type):
+    c = config(mma_type)
+    assert c['mma_type'] == MMA_TYPES[mma_type]
+    assert c['block_n_l1'] == 256 and c['block_n_l2'] == 128
+    assert c['block_k'] == (64 if mma_type == 'bf16xbf16' else 128)
+    assert c['num_sms'] == H200_SMS
+
+
+@pytest.mark.parametrize('mma_type', list(MMA_TYPES))
+@pytest.mark.parametrize('num_tokens', [1, 4096])
+@pytest.mark.parametrize('max_smem', [H200_SMEM, 228 * 1024, 166912, 101376])
+def test_stages_are_the_most_that_fit(mma_type, num_tokens, max_smem):
+    block_m = 64 if num_tokens == 1 else 128
+    fits = [s for s in range(2, 9) if expected_smem(mma_type, block_m, s) <= max_smem]
+    if not fits:
+        with pytest.raises(ValueError, match='max_smem_bytes'):
+            config(mma_type, num_tokens=num_tokens, max_smem_bytes=max_smem)
+        return
+    c = config(mma_type, num_tokens=num_tokens, max_smem_bytes=max_smem)
+    assert c['block_m'] == block_m
+    assert c['num_stages'] == max(fits)
+    assert c['smem_bytes'] == expected_smem(mma_type, block_m, c['num_stages']) <= max_smem
+
+
+def test_h200_stage_counts():
+    # 232448 bytes: block_m 64 -> 5 x 40960 + 17408 + 5120 + 1024 = 228352 fits (6 would not);
+    # block_m 128 -> 3 x 49152 + 34816 + 5120 + 1024 = 188416 (4 stages would need 237568)
+    for mma_type in MMA_TYPES:
+        assert config(mma_type, num_tokens=1)['num_stages'] == 5
+        assert config(mma_type, num_tokens=8192)['num_stages'] == 3
+
+
+def test_stages_are_capped_at_8():
+    c = config(num_tokens=1, max_smem_bytes=1 << 20)
+    assert c['num_stages'] == 8
+    assert c['smem_bytes'] == expected_smem('fp8xfp4', 64, 8)
+
+
+def test_experts_per_wave():
+    # Decode, EP8: 32 local experts, 1 expected M-block x 16 N-blocks (2 * 2048 / 256) each:
+    # ceil(132 / 16) = 9 experts fill the SMs once
+    assert config(num_tokens=1)['num_experts_per_wave'] == 9
+    # Prefill: 4096 * 8 * 8 / 256 = 1024 tokens per expert = 8 M-blocks of 128 -> 128 tasks; 2 experts
+    assert config(num_tokens=4096)['num_experts_per_wave'] == 2
+    # Huge experts: one is enough
+    assert config(num_tokens=65536)['num_experts_per_wave'] == 1
+    # Never more than the local experts
+    assert config(num_ranks=8, num_experts=16, num_tokens=1, intermediate_hidden=128)['num_experts_per_wave'] == 2
+    # Fewer SMs (sharing the GPU with other streams): fewer experts per wave
+    assert config(num_tokens=1, num_sms=16)['num_experts_per_wave'] == 1
+    assert config(num_tokens=1, num_sms=33)['num_experts_per_wave'] == 3
+
+
+@pytest.mark.parametrize('kwargs, name', [
+    (dict(num_ranks=0), 'num_ranks'),
+    (dict(num_ranks=16, num_experts=256), 'num_ranks'),
+    (dict(num_experts=100), 'num_experts'),
+    (dict(num_topk=0), 'num_topk'),
+    (dict(num_topk=257), 'num_topk'),
+    (dict(hidden=7000), 'hidden'),
+    (dict(intermediate_hidden=100), 'intermediate_hidden'),
+    (dict(num_tokens=-1), 'num_tokens'),
+    (dict(num_sms=0), 'num_sms'),
+    (dict(max_smem_bytes=0), 'max_smem_bytes'),
+    (dict(max_smem_bytes=60000), 'max_smem_bytes'),   # not even 2 stages
+])
+def test_invalid_inputs_raise(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        config(**kwargs)
+
+
+def test_invalid_mma_type_raises():
+    with pytest.raises(ValueError, match='mma_type'):
+        _C.get_mega_moe_config(7, 8, 256, 8, 7168, 2048, 1, 132, H200_SMEM)
+
+
+def test_description_is_printable():
+    text = config(num_tokens=1)['description']
+    assert text.startswith('MegaMoEConfig(') and 'block_m=64' in text and 'num_stages=5' in text
+
+
+_PRINT_SCRIPT = """
+from deep_gemm import _C
+args = (0, 8, 256, 8, 7168, 2048)
+print('first', _C.print_mega_moe_config_if_requested(*args, 1, 132, 232448), flush=True)
+print('again', _C.print_mega_moe_config_if_requested(*args, 1, 132, 232448), flush=True)
+print('other', _C.print_mega_moe_config_if_requested(*args, 8192, 132, 232448), flush=True)
+"""
+
+
+def _run_print_script(env_value):
+    env = dict(os.environ)
+    env.pop('DG_PRINT_CONFIGS', None)
+    if env_value is not None:
+        env['DG_PRINT_CONFIGS'] = env_value
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env['PYTHONPATH'] = root + os.pathsep + env.get('PYTHONPATH', '')
+    return subprocess.run([sys.executable, '-c', _PRINT_SCRIPT], env=env, capture_output=True, text=True,
+                          check=True, cwd=root).stdout
+
+
+def test_print_configs_once_per_distinct_config():
+    out = _run_print_script('1').splitlines()
+    printed = [line for line in out if line.startswith('[deep_gemm] MegaMoEConfig(')]
+    assert len(printed) == 2
+    assert 'block_m=64' in printed[0] and 'block_m=128' in printed[1]
+    assert 'first True' in out and 'again False' in out and 'other True' in out
+
+
+@pytest.mark.parametrize('value', [None, '0'])
+def test_print_configs_off_by_default(value):
+    out = _run_print_script(value)
+    assert 'MegaMoEConfig' not in out
+    assert 'first False' in out

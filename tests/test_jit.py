@@ -1,0 +1,486 @@
+"""The JIT runtime: nvcc compilation and its cache, settings, TMA argument checks, driver errors.
+
+CPU tests compile real sm_90a kernels (nvcc needs no GPU); GPU tests (skipped without a Hopper
+GPU) load and launch them through the driver API.
+"""
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+
+import deep_gemm.jit as jit
+from deep_gemm import _C
+
+from conftest import REPO_ROOT
+
+# A small but real kernel: it includes the buffer layout header and uses Hopper-only instructions
+# (wgmma.fence, setmaxnreg), which ptxas rejects for every target but sm_90a.
+SMOKE_KERNEL = textwrap.dedent('''
+    #include <cstdint>
+    #include <deep_gemm/common/types.cuh>
+    #include <deep_gemm/layout/mega_moe.cuh>
+
+    extern "C" __global__ void __launch_bounds__(256, 1) jit_smoke_kernel(int64_t* out) {
+        asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        // Register rebalancing between warpgroups, as the Mega MoE roles do
+        if (threadIdx.x < 128)
+            asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+        else
+            asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+        if (threadIdx.x == 0) {
+            out[0] = deep_gemm::layout::kMaxBlockM;
+            out[1] = deep_gemm::layout::MegaMoELayout::pool_rows(8, 32, 128, 8);
+            out[2] = static_cast<int64_t>(deep_gemm::MmaType::kBF16xBF16);
+            out[3] = deep_gemm::align_up<int64_t>(1000, 128);
+        }
+    }
+''')
+
+EM_CUDA = 190  # ELF e_machine of NVIDIA GPU code
+
+
+def _cubin(kernel_dir: str) -> bytes:
+    with open(os.path.join(kernel_dir, 'kernel.cubin'), 'rb') as f:
+        return f.read()
+
+
+def _cuobjdump():
+    candidates = ['/usr/local/cuda-13.0/bin/cuobjdump', shutil.which('cuobjdump')]
+    from deep_gemm.cuda_home import find_cuda_home
+    home = find_cuda_home()
+    if home:
+        candidates.append(os.path.join(home, 'bin', 'cuobjdump'))
+    return next((c for c in candidates if c and os.path.isfile(c)), None)
+
+
+def _run_python(code: str, env_updates: dict) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT, **env_updates)
+    return subprocess.run([sys.executable, '-c', textwrap.dedent(code)], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+# --------------------------------------------------------------------------------------------------
+# Compilation and the cache (CPU)
+# --------------------------------------------------------------------------------------------------
+
+def test_compile_sm90a_kernel_and_cache_hit(requires_nvcc, jit_cache_dir):
+    before = _C.get_num_nvcc_invocations()
+    kernel_dir = jit.compile_kernel('jit_smoke', SMOKE_KERNEL)
+    assert _C.get_num_nvcc_invocations() == before + 1
+    assert os.path.dirname(os.path.dirname(kernel_dir)) == str(jit_cache_dir)
+    assert os.path.basename(kernel_dir).startswith('jit_smoke_')
+
+    cubin = _cubin(kernel_dir)
+    assert cubin[:4] == b'\x7fELF'
+    assert struct.unpack_from('<H', cubin, 18)[0] == EM_CUDA
+    # The SM number sits in e_flags (low byte in older ELF ABIs, second byte since CUDA 12.8);
+    # the 'a' suffix is proven by compilation itself: wgmma/setmaxnreg exist only on sm_90a
+    e_flags = struct.unpack_from('<I', cubin, 48)[0]
+    assert 90 in (e_flags & 0xff, (e_flags >> 8) & 0xff), hex(e_flags)
+    with open(os.path.join(kernel_dir, 'kernel.cu')) as f:
+        assert f.read() == SMOKE_KERNEL
+
+    cuobjdump = _cuobjdump()
+    if cuobjdump is not None:
+        out = subprocess.run([cuobjdump, '--dump-sass', os.path.join(kernel_dir, 'kernel.cubin')],
+                             capture_output=True, text=True, check=True).stdout
+        assert 'sm_90a' in out, out[:2000]
+        assert 'jit_smoke_kernel' in out
+
+    # Same source again: no nvcc, same directory
+    assert jit.compile_kernel('jit_smoke', SMOKE_KERNEL) == kernel_dir
+    assert _C.get_num_nvcc_invocations() == before + 1
+
+    # A disk hit (the in-process table is dropped with the cache-dir setting) is also free
+    _C.set_cache_dir(str(jit_cache_dir))
+    assert jit.compile_kernel('jit_smoke', SMOKE_KERNEL) == kernel_dir
+    assert _C.get_num_nvcc_invocations() == before + 1
+
+    # Any source change is a new kernel
+    changed = SMOKE_KERNEL.replace('1000', '1001')
+    changed_dir = jit.compile_kernel('jit_smoke', changed)
+    assert changed_dir != kernel_dir
+    assert _C.get_num_nvcc_invocations() == before + 2
+    # ... and so are different flags
+    flagged_dir = jit.compile_kernel('jit_smoke', SMOKE_KERNEL, ['-DDG_TEST_FLAG=1'])
+    assert flagged_dir not in (kernel_dir, changed_dir)
+    assert _C.get_num_nvcc_invocations() == before + 3
+    # Nothing is left behind in the temporary area
+    assert os.listdir(os.path.join(str(jit_cache_dir), 'tmp')) == []
+
+
+def test_cache_is_shared_across_processes(requires_nvcc, tmp_path):
+    """A second process finds the first one's cubin (DG_JIT_CACHE_DIR honoured by init())."""
+    code = '''
+        import deep_gemm.jit as jit
+        from deep_gemm import _C
+        src = open(%r).read()
+        print(jit.compile_kernel('jit_smoke', src))
+        print(_C.get_num_nvcc_invocations())
+        print(_C.get_cache_dir())
+    '''
+    source_file = tmp_path / 'kernel.cu'
+    source_file.write_text(SMOKE_KERNEL)
+    env = {'DG_JIT_CACHE_DIR': str(tmp_path / 'cache')}
+    first = _run_python(code % str(source_file), env)
+    assert first.returncode == 0, first.stderr
+    second = _run_python(code % str(source_file), env)
+    assert second.returncode == 0, second.stderr
+    first_dir, first_count, cache_dir = first.stdout.split()
+    second_dir, second_count, _ = second.stdout.split()
+    assert cache_dir == str(tmp_path / 'cache')
+    assert (first_count, second_count) == ('1', '0')
+    assert first_dir == second_dir
+
+
+def test_header_edit_invalidates_cache(requires_nvcc, tmp_path):
+    """Every header under the include dir is part of the key: touching one recompiles."""
+    include = tmp_path / 'include'
+    shutil.copytree(jit.include_dir(), include)
+    source_file = tmp_path / 'kernel.cu'
+    source_file.write_text(SMOKE_KERNEL)
+    code = f'''
+        from deep_gemm import _C
+        from deep_gemm.cuda_home import find_cuda_home
+        _C.init({str(include)!r}, find_cuda_home() or '', '')
+        _C.set_cache_dir({str(tmp_path / 'cache')!r})
+        print(_C.compile('jit_smoke', open({str(source_file)!r}).read()))
+        print(_C.get_num_nvcc_invocations())
+    '''
+
+    def run():
+        result = _run_python(code, {})
+        assert result.returncode == 0, result.stderr
+        path, count = result.stdout.split()
+        return path, int(count)
+
+    first_dir, first_count = run()
+    assert first_count == 1
+    assert run() == (first_dir, 0)
+    # A comment in a header the kernel does not even use still changes the key: the digest
+    # covers the whole include tree, since includes are not tracked
+    with open(include / 'deep_gemm' / 'common' / 'types.cuh', 'a') as f:
+        f.write('\n// edited by test_header_edit_invalidates_cache\n')
+    edited_dir, edited_count = run()
+    assert edited_count == 1
+    assert edited_dir != first_dir
+
+
+def test_compile_error_reports_nvcc_output(requires_nvcc, jit_cache_dir):
+    broken = SMOKE_KERNEL + '\nstatic_assert(sizeof(int) == 3, "deep_gemm_test_marker: int is not 3 bytes");\n'
+    with pytest.raises(RuntimeError) as info:
+        jit.compile_kernel('jit_broken', broken)
+    message = str(info.value)
+    assert 'nvcc failed to compile kernel `jit_broken`' in message
+    assert 'deep_gemm_test_marker' in message  # nvcc's own diagnostic
+    assert '-gencode=arch=compute_90a,code=sm_90a' in message  # the command, to reproduce it
+    # A failure is not cached
+    assert not os.path.isdir(os.path.join(str(jit_cache_dir), 'cache')) or \
+        not [d for d in os.listdir(os.path.join(str(jit_cache_dir), 'cache')) if d.startswith('jit_broken')]
+
+
+def test_debug_and_ptxas_verbose_output(requires_nvcc, jit_cache_dir, monkeypatch, capfd):
+    monkeypatch.setenv('DG_JIT_DEBUG', '1')
+    monkeypatch.setenv('DG_JIT_PTXAS_VERBOSE', '1')
+    kernel_dir = jit.compile_kernel('jit_verbose', SMOKE_KERNEL)
+    err = capfd.readouterr().err
+    assert 'cache miss' in err and kernel_dir in err
+    assert 'nvcc' in err and '-Xptxas -v' in err
+    assert 'Used' in err and 'registers' in err  # ptxas's report
+    assert 'compiled in' in err
+
+    _C.set_cache_dir(str(jit_cache_dir))  # forget the in-process entry: the next call reads the disk
+    assert jit.compile_kernel('jit_verbose', SMOKE_KERNEL) == kernel_dir
+    assert 'cache hit' in capfd.readouterr().err
+
+
+def test_concurrent_compiles_publish_once(tmp_path):
+    """Threads and processes racing on one kernel all get the same complete directory.
+
+    Uses a stand-in nvcc (DG_NVCC) that sleeps, so the race is wide and no real compiler runs.
+    """
+    fake_nvcc = tmp_path / 'fake_nvcc'
+    fake_nvcc.write_text(textwrap.dedent('''\
+        #!/bin/sh
+        if [ "$1" = "--version" ]; then echo "fake nvcc 0.1"; exit 0; fi
+        prev=""; out=""
+        for arg in "$@"; do [ "$prev" = "-o" ] && out="$arg"; prev="$arg"; done
+        sleep 0.5
+        printf '\\177ELF fake cubin' > "$out"
+    '''))
+    fake_nvcc.chmod(0o755)
+    code = '''
+        import threading
+        import deep_gemm.jit as jit
+        results = []
+        threads = [threading.Thread(target=lambda: results.append(jit.compile_kernel('race', 'int x;')))
+                   for _ in range(3)]
+        for t in threads: t.start()
+        for t in threads: t.join()
+        print(' '.join(results))
+    '''
+    env = {'DG_NVCC': str(fake_nvcc), 'DG_JIT_CACHE_DIR': str(tmp_path / 'cache')}
+    procs = [subprocess.Popen([sys.executable, '-c', textwrap.dedent(code)], cwd=REPO_ROOT,
+                              env=dict(os.environ, PYTHONPATH=REPO_ROOT, **env),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    outputs = [p.communicate(timeout=120) for p in procs]
+    for p, (out, err) in zip(procs, outputs):
+        assert p.returncode == 0, err
+    dirs = {d for out, _ in outputs for d in out.split()}
+    assert len(dirs) == 1
+    (kernel_dir,) = dirs
+    assert _cubin(kernel_dir) == b'\x7fELF fake cubin'
+    assert os.listdir(tmp_path / 'cache' / 'cache') == [os.path.basename(kernel_dir)]
+    assert os.listdir(tmp_path / 'cache' / 'tmp') == []
+
+
+def test_bad_nvcc_is_a_clear_error(tmp_path):
+    code = '''
+        import deep_gemm.jit as jit
+        try:
+            jit.compile_kernel('k', 'int x;')
+        except RuntimeError as e:
+            print(e)
+    '''
+    result = _run_python(code, {'DG_NVCC': str(tmp_path / 'no_such_nvcc'), 'DG_JIT_CACHE_DIR': str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    assert 'no_such_nvcc' in result.stdout and 'DG_NVCC' in result.stdout
+
+
+def test_kernel_name_is_validated(jit_cache_dir):
+    for name in ['', 'a/b', '../escape', 'x' * 200, 'has space']:
+        with pytest.raises(ValueError, match='kernel name'):
+            _C.compile(name, 'int x;')
+
+
+def test_settings_and_flags():
+    jit.init()
+    jit.init()  # idempotent
+    flags = _C.get_compile_flags()
+    for flag in ['-std=c++20', '-gencode=arch=compute_90a,code=sm_90a', '-cubin', '-O3',
+                 '--expt-relaxed-constexpr', '--expt-extended-lambda', '-lineinfo', '-I' + jit.include_dir()]:
+        assert flag in flags
+    assert _C.get_compile_flags(['-DX=1'])[-1] == '-DX=1'
+    assert os.path.isfile(os.path.join(jit.include_dir(), 'deep_gemm', 'layout', 'mega_moe.cuh'))
+    assert jit.__doc__ is not None
+    for name in ['DG_JIT_CACHE_DIR', 'DG_JIT_DEBUG', 'DG_JIT_PTXAS_VERBOSE', 'DG_NVCC', 'DG_CUTLASS_INCLUDE']:
+        assert name in jit.__doc__
+    for name in ['init', 'compile', 'get_cache_dir', 'set_cache_dir', 'get_nvcc_version', 'get_num_nvcc_invocations',
+                 'set_num_sms', 'get_num_sms', 'has_cuda_driver', 'get_device_info', 'make_tma_2d', 'launch_kernel',
+                 'get_kernel_info', 'get_compile_flags']:
+        assert getattr(_C, name).__doc__, name
+
+
+def test_nvcc_version(requires_nvcc):
+    jit.init()
+    assert 'Cuda compilation tools' in _C.get_nvcc_version()
+
+
+def test_cutlass_include_override(monkeypatch, tmp_path):
+    monkeypatch.setenv('DG_CUTLASS_INCLUDE', str(tmp_path))
+    assert jit.find_cutlass_include() == str(tmp_path)
+    monkeypatch.delenv('DG_CUTLASS_INCLUDE')
+    found = jit.find_cutlass_include()
+    assert found == '' or os.path.isdir(os.path.join(found, 'cutlass'))
+
+
+# --------------------------------------------------------------------------------------------------
+# SM count, TMA checks, and behaviour without a driver (CPU)
+# --------------------------------------------------------------------------------------------------
+
+def test_has_cuda_driver_is_a_bool():
+    assert isinstance(_C.has_cuda_driver(), bool)
+
+
+def test_gpu_calls_without_driver_raise_clearly(requires_nvcc, jit_cache_dir):
+    if _C.has_cuda_driver():
+        pytest.skip('a CUDA driver is present')
+    message = 'no CUDA driver (libcuda.so.1) found'
+    kernel_dir = jit.compile_kernel('jit_smoke', SMOKE_KERNEL)  # compiling needs no driver
+    calls = [
+        _C.get_device_info,
+        _C.get_num_sms,  # nothing set: needs the device
+        lambda: _C.make_tma_2d(1 << 20, 9, 128, 64, 64, 32, 256, 3),  # valid arguments
+        lambda: _C.launch_kernel(kernel_dir, '', [1], [256], 0, 0, [0]),
+        lambda: _C.get_kernel_info(kernel_dir),
+    ]
+    for call in calls:
+        with pytest.raises(RuntimeError, match=message.replace('(', r'\(').replace(')', r'\)')):
+            call()
+
+
+def test_num_sms_setting():
+    try:
+        limit = _C.get_device_info()['num_sms'] if _C.has_cuda_driver() else 1000
+    except RuntimeError:
+        limit = 1000
+    _C.set_num_sms(min(100, limit))
+    try:
+        assert _C.get_num_sms() == min(100, limit)
+        with pytest.raises(ValueError, match='num_sms'):
+            _C.set_num_sms(-1)
+        if _C.has_cuda_driver() and limit != 1000:
+            with pytest.raises(ValueError, match='num_sms'):
+                _C.set_num_sms(limit + 1)
+    finally:
+        _C.set_num_sms(0)
+
+
+BF16, UINT8, FP32 = 9, 0, 7
+SWIZZLE_NONE, SWIZZLE_64B, SWIZZLE_128B = 0, 2, 3
+
+
+@pytest.mark.parametrize('kwargs, argument', [
+    (dict(ptr=8), 'ptr'),
+    (dict(ptr=0), 'ptr'),
+    (dict(inner_box=0), 'inner_box'),
+    (dict(outer_box=257), 'outer_box'),
+    (dict(inner_dim=0), 'inner_dim'),
+    (dict(outer_dim=(1 << 32) + 1), 'outer_dim'),
+    (dict(outer_stride_bytes=264), 'outer_stride_bytes'),            # not a multiple of 16
+    (dict(outer_stride_bytes=128), 'outer_stride_bytes'),            # rows overlap (256 B rows)
+    (dict(inner_box=4), 'inner_box'),                                 # 8 bytes: not a multiple of 16
+    (dict(inner_box=128), 'inner_box'),                               # 256 B > 128 B swizzle span
+    (dict(inner_box=64, swizzle=SWIZZLE_64B), 'inner_box'),           # 128 B > 64 B span
+    (dict(dtype=13), 'dtype'),                                        # packed 4-bit: SM100 only
+    (dict(swizzle=4), 'swizzle'),                                     # 128B_ATOM_32B: SM100 only
+])
+def test_tma_argument_checks(kwargs, argument):
+    args = dict(ptr=1 << 20, dtype=BF16, inner_dim=128, outer_dim=64, inner_box=64, outer_box=32,
+                outer_stride_bytes=256, swizzle=SWIZZLE_128B)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=argument):
+        _C.make_tma_2d(**args)
+
+
+# --------------------------------------------------------------------------------------------------
+# GPU: load, launch, TMA (skipped without a Hopper GPU)
+# --------------------------------------------------------------------------------------------------
+
+TMA_KERNEL = textwrap.dedent('''
+    #include <cuda.h>
+    #include <cuda_bf16.h>
+    #include <cstdint>
+
+    // Copy one [32, 64] BF16 box at (x0, y0) through TMA (128B swizzle) and write it out unswizzled
+    extern "C" __global__ void __launch_bounds__(128, 1)
+    tma_tile_copy(const __grid_constant__ CUtensorMap map, __nv_bfloat16* out, int64_t x0, int64_t y0) {
+        constexpr int kRows = 32, kCols = 64, kBytes = kRows * kCols * 2;
+        extern __shared__ uint8_t dynamic_smem[];
+        __shared__ uint64_t barrier;
+        // The 128B swizzle pattern repeats every 1024 bytes: the tile must start on that boundary
+        const auto base = static_cast<uint32_t>(__cvta_generic_to_shared(dynamic_smem));
+        uint8_t* smem = dynamic_smem + ((1024 - base % 1024) % 1024);
+        const auto bar = static_cast<uint32_t>(__cvta_generic_to_shared(&barrier));
+        const auto dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+        if (threadIdx.x == 0) {
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bar));
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(kBytes) : "memory");
+            asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+                         :: "r"(dst), "l"(reinterpret_cast<uint64_t>(&map)), "r"(static_cast<int>(x0)),
+                            "r"(static_cast<int>(y0)), "r"(bar) : "memory");
+        }
+        uint32_t done = 0;
+        for (int64_t spin = 0; not done; ++spin) {  // bounded: a lost copy traps instead of hanging
+            asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                         : "=r"(done) : "r"(bar), "r"(0u) : "memory");
+            if (spin > (int64_t(1) << 26)) __trap();
+        }
+        for (int i = threadIdx.x; i < kRows * kCols; i += blockDim.x) {
+            const int row = i / kCols, byte = (i % kCols) * 2;
+            // 128B swizzle: 16-byte chunk c of row r lands in chunk c ^ (r % 8)
+            const int offset = row * 128 + (((byte / 16) ^ (row % 8)) * 16) + byte % 16;
+            out[i] = *reinterpret_cast<const __nv_bfloat16*>(smem + offset);
+        }
+    }
+''')
+
+
+def test_gpu_device_info_and_num_sms(requires_sm90):
+    import torch
+    info = _C.get_device_info()
+    assert info['compute_capability'] == (9, 0)
+    assert info['num_sms'] == torch.cuda.get_device_properties(0).multi_processor_count
+    assert info['max_smem_per_block_optin'] >= 227 * 1024
+    assert info['driver_version'] >= 12000
+    assert _C.get_num_sms() == info['num_sms']
+    with pytest.raises(ValueError, match='num_sms'):
+        _C.set_num_sms(info['num_sms'] + 1)
+    _C.set_num_sms(info['num_sms'] // 2)
+    try:
+        assert _C.get_num_sms() == info['num_sms'] // 2
+    finally:
+        _C.set_num_sms(0)
+
+
+def test_gpu_launch_smoke_kernel(requires_nvcc, requires_sm90, jit_cache_dir):
+    import torch
+    kernel_dir = jit.compile_kernel('jit_smoke', SMOKE_KERNEL)
+    out = torch.zeros(4, dtype=torch.int64, device='cuda')
+    stream = torch.cuda.current_stream().cuda_stream
+    # By name, and as the cubin's only kernel; cooperative launch accepted
+    _C.launch_kernel(kernel_dir, 'jit_smoke_kernel', [1], [256], 0, stream, [out.data_ptr()])
+    _C.launch_kernel(kernel_dir, '', [2], [256], 0, stream, [out.data_ptr()], cooperative=True)
+    torch.cuda.synchronize()
+    assert out.tolist() == [128, 12288, 2, 1024]
+    info = _C.get_kernel_info(kernel_dir)
+    assert info['symbol'] == 'jit_smoke_kernel' and info['local_bytes'] == 0
+    with pytest.raises(ValueError, match='block'):
+        _C.launch_kernel(kernel_dir, '', [1], [512], 0, stream, [out.data_ptr()])  # over __launch_bounds__
+    with pytest.raises(RuntimeError, match='cuModuleGetFunction'):
+        _C.launch_kernel(kernel_dir, 'no_such_kernel', [1], [256], 0, stream, [out.data_ptr()])
+
+
+def test_gpu_tma_2d_copy(requires_nvcc, requires_sm90, jit_cache_dir):
+    import torch
+    kernel_dir = jit.compile_kernel('jit_tma_copy', TMA_KERNEL)
+    rows, cols = 96, 192
+    x = torch.randn(rows, cols, device='cuda').to(torch.bfloat16)
+    tma = _C.make_tma_2d(x.data_ptr(), BF16, cols, rows, 64, 32, x.stride(0) * 2, SWIZZLE_128B)
+    assert len(tma) == 128
+    stream = torch.cuda.current_stream().cuda_stream
+    # 100 KB of dynamic shared memory exercises the > 48 KB opt-in
+    for x0, y0 in [(64, 32), (128, 80)]:  # the second box runs past the last row: zero fill
+        out = torch.full((32, 64), float('nan'), dtype=torch.bfloat16, device='cuda')
+        _C.launch_kernel(kernel_dir, 'tma_tile_copy', [1], [128], 100 * 1024, stream, [tma, out.data_ptr(), x0, y0])
+        torch.cuda.synchronize()
+        expected = torch.zeros(32, 64, dtype=torch.bfloat16, device='cuda')
+        valid = min(32, rows - y0)
+        expected[:valid] = x[y0:y0 + valid, x0:x0 + 64]
+        assert torch.equal(out, expected)
+    with pytest.raises(ValueError, match='smem_bytes'):
+        _C.launch_kernel(kernel_dir, 'tma_tile_copy', [1], [128], 256 * 1024, stream, [tma, out.data_ptr(), 0, 0])
+
+
+def test_gpu_compile_in_threads_and_launch(requires_nvcc, requires_sm90, jit_cache_dir):
+    """compile() releases the GIL; kernels load in threads that have no context of their own yet."""
+    import torch
+    out = torch.zeros(4, dtype=torch.int64, device='cuda')
+    torch.cuda.synchronize()
+    errors = []
+
+    def worker():
+        try:
+            kernel_dir = jit.compile_kernel('jit_smoke', SMOKE_KERNEL)
+            _C.launch_kernel(kernel_dir, '', [1], [256], 0, 0, [out.data_ptr()])
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    torch.cuda.synchronize()
+    assert not errors, errors
+    assert out.tolist() == [128, 12288, 2, 1024]

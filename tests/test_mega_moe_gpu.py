@@ -1,0 +1,161 @@
+"""The fused SM90 kernel on the H200 (skipped without an SM90 GPU).
+
+Every case: fresh random inputs, y poisoned with NaN before the call, every row compared with the
+reference that emulates the kernel's own quantization steps (`reference_moe_emulated`).
+
+Tolerance: calc_diff(y, ref) < 1e-5 for every format. Both sides quantize the same values with the
+same formulas (bit-identical helpers); what remains is FP32 accumulation order (WGMMA with per-128
+promotion vs torch matmul, ~1e-7 relative), which now and then moves an L1 output across an E4M3 or
+BF16 rounding boundary. One such flip changes one of I elements of a row by one FP8 step (2^-3
+relative), i.e. ~1e-5 of the row's squared norm when it happens; measured diffs are ~1e-7. A real
+bug (a wrong row, a missing top-k slot, a wrong scale) gives calc_diff > 1e-3.
+"""
+import os
+
+import pytest
+import torch
+
+import deep_gemm
+from deep_gemm.testing import calc_diff
+from deep_gemm.testing import moe_case as mc
+
+sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+pytestmark = pytest.mark.skipif(not sm90, reason='needs an SM90 (Hopper) GPU')
+
+TOL = 1e-5
+FORMATS = ['fp8xfp8', 'bf16xbf16']
+_weights_cache = {}
+
+
+def weights_for(mma_type, hidden, inter, experts, ranks, seed=0):
+    key = (mma_type, hidden, inter, experts, ranks, seed)
+    if key not in _weights_cache:
+        _weights_cache.clear()   # one large weight set alive at a time
+        torch.cuda.empty_cache()
+        _weights_cache[key] = mc.make_weights(mma_type, hidden, inter, experts, ranks, seed)
+    return _weights_cache[key]
+
+
+def check_case(mma_type, hidden, inter, experts, topk, ns, seed, n_max=None, clamp=None, **routing):
+    ranks = len(ns)
+    n_max = n_max or max(max(ns), 1)
+    w = weights_for(mma_type, hidden, inter, experts, ranks)
+    bufs = mc.make_buffers(mma_type, ranks, experts, n_max, topk, hidden, inter)
+    inputs = mc.make_inputs(mma_type, ns, hidden, experts, topk, seed, **routing)
+    ys = mc.run_ranks(w, inputs, bufs, activation_clamp=clamp)
+    worst = 0.0
+    for r, (y, inp) in enumerate(zip(ys, inputs)):
+        assert y.shape == (ns[r], hidden)
+        ref = mc.reference(w, inp, clamp)
+        assert not torch.isnan(y).any(), f'rank {r}: unwritten (NaN) rows in y'
+        d = calc_diff(y.float(), ref) if ns[r] > 0 else 0.0
+        assert d < TOL, f'rank {r}: calc_diff {d:.3e}'
+        worst = max(worst, d)
+    for b in bufs:
+        b.check()
+    return worst
+
+
+SMALL = (512, 256, 16, 4)
+MID = (2048, 768, 128, 8)
+BIG = (7168, 2048, 256, 8)
+
+
+@pytest.mark.parametrize('mma_type', FORMATS)
+@pytest.mark.parametrize('ranks', [1, 2, 4, 8])
+def test_small_shape_all_token_counts(mma_type, ranks):
+    for i, n in enumerate([0, 1, 7, 64, 129, 1024]):
+        ns = [max(0, n - 3 * r) if r % 2 else n for r in range(ranks)]   # different n on each rank
+        check_case(mma_type, *SMALL, ns, seed=100 * ranks + i)
+
+
+@pytest.mark.parametrize('mma_type', FORMATS)
+@pytest.mark.parametrize('ranks,ns', [(1, [1]), (1, [129]), (1, [4096]), (4, [64, 7, 0, 1024]),
+                                      (8, [1, 129, 64, 7, 0, 300, 2, 1024])])
+def test_mid_shape(mma_type, ranks, ns):
+    check_case(mma_type, *MID, ns, seed=7)
+
+
+@pytest.mark.parametrize('mma_type', FORMATS)
+@pytest.mark.parametrize('ranks,ns', [(1, [1]), (1, [1024]), (1, [4096]), (8, [7, 129, 1, 64, 0, 33, 5, 256])])
+def test_big_shape(mma_type, ranks, ns):
+    check_case(mma_type, *BIG, ns, seed=11)
+
+
+@pytest.mark.parametrize('mma_type', FORMATS)
+def test_masks_skew_and_empty_experts(mma_type):
+    check_case(mma_type, *MID, [512], seed=1, mask_frac=0.3)
+    check_case(mma_type, *MID, [300, 77], seed=2, mask_frac=0.3)
+    check_case(mma_type, *MID, [1024], seed=3, hot_expert=5)              # all tokens to one expert
+    check_case(mma_type, *MID, [64, 64, 64, 64], seed=4, experts_allowed=9)  # most experts get nothing
+    check_case(mma_type, *SMALL, [200], seed=5, clamp=0.5)
+
+
+@pytest.mark.parametrize('mma_type', FORMATS)
+def test_bitwise_repeatable_and_stats(mma_type):
+    hidden, inter, experts, topk = MID
+    w = weights_for(mma_type, hidden, inter, experts, 2)
+    bufs = mc.make_buffers(mma_type, 2, experts, 512, topk, hidden, inter)
+    inputs = mc.make_inputs(mma_type, [512, 300], hidden, experts, topk, seed=9, mask_frac=0.1)
+    stats = [torch.zeros(experts // 2, dtype=torch.int32, device='cuda') for _ in range(2)]
+    a = mc.run_ranks(w, inputs, bufs, stats=stats)
+    b = mc.run_ranks(w, inputs, bufs, stats=stats)
+    for ya, yb in zip(a, b):
+        assert torch.equal(ya.view(torch.int16), yb.view(torch.int16))
+    # two calls: each local expert counted twice its received tokens
+    all_idx = torch.cat([i.topk_idx.flatten() for i in inputs])
+    counts = torch.bincount(all_idx[all_idx >= 0], minlength=experts).int()
+    for r in range(2):
+        assert torch.equal(stats[r], 2 * counts[r * experts // 2:(r + 1) * experts // 2])
+
+
+@pytest.mark.parametrize('mma_type', FORMATS)
+def test_back_to_back_changing_calls(mma_type):
+    hidden, inter, experts, topk = SMALL
+    ranks = 4
+    w = weights_for(mma_type, hidden, inter, experts, ranks)
+    bufs = mc.make_buffers(mma_type, ranks, experts, 256, topk, hidden, inter)
+    streams = mc.VirtualRankStreams(ranks)
+    g = torch.Generator().manual_seed(0)
+    num_calls = int(os.environ.get('DG_TEST_BACK_TO_BACK', '1000'))
+    for call in range(num_calls):
+        ns = torch.randint(0, 257, (ranks,), generator=g).tolist()
+        inputs = mc.make_inputs(mma_type, ns, hidden, experts, topk, seed=call, mask_frac=float(call % 3) * 0.2)
+        ys = mc.run_ranks(w, inputs, bufs, streams=streams)
+        if call % 50 == 0 or call == num_calls - 1:   # reference on a sample; every call must not fail
+            for y, inp in zip(ys, inputs):
+                if inp.x_q.shape[0]:
+                    assert calc_diff(y.float(), mc.reference(w, inp)) < TOL, f'call {call}'
+    for b in bufs:
+        b.check()
+
+
+@pytest.mark.parametrize('mma_type', FORMATS)
+def test_cuda_graph_replay(mma_type):
+    hidden, inter, experts, topk = MID
+    w = weights_for(mma_type, hidden, inter, experts, 1)
+    (buf,) = mc.make_buffers(mma_type, 1, experts, 256, topk, hidden, inter)
+    fn = deep_gemm.fp8_mega_moe if mma_type == 'fp8xfp8' else deep_gemm.bf16_mega_moe
+    n = 200
+    first = mc.make_inputs(mma_type, [n], hidden, experts, topk, seed=1)[0]
+    y = torch.empty(n, hidden, dtype=torch.bfloat16, device='cuda')
+    mc.run_ranks(w, [first], [buf])                 # warm-up: compile, load, status mirror
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(graph, stream=s):
+            fn(y, *w.per_rank[0], buf)
+    for seed in (2, 3):
+        inp = mc.make_inputs(mma_type, [n], hidden, experts, topk, seed=seed, mask_frac=0.2)[0]
+        buf.x[:n].copy_(inp.x_q)
+        if inp.x_sf is not None:
+            buf.x_sf[:n].copy_(inp.x_sf)
+        buf.topk_idx[:n].copy_(inp.topk_idx)
+        buf.topk_weights[:n].copy_(inp.topk_weights)
+        y.fill_(float('nan'))
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = mc.run_ranks(w, [inp], [buf])[0]
+        assert torch.equal(y.view(torch.int16), eager.view(torch.int16))
+        assert calc_diff(y.float(), mc.reference(w, inp)) < TOL
