@@ -11,7 +11,8 @@ import time
 
 os.environ.setdefault('DG_JIT_CACHE_DIR', os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                                        '.jit_cache'))
-import deep_gemm  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import deep_gemm  # noqa: E402,F401
 from deep_gemm import _C  # noqa: E402
 from deep_gemm.mega.buffer import mma_type_to_int  # noqa: E402
 

@@ -241,6 +241,15 @@ public:
         const bool debug = get_env_flag("DG_JIT_DEBUG");
         const bool ptxas_verbose = get_env_flag("DG_JIT_PTXAS_VERBOSE");
 
+        // In-process hit: launchers may call compile() on every call, so the first lookup is keyed
+        // by the request itself (one std::hash of the source, ~0.2 us) rather than by SHA-256.
+        // Everything else in the cache key is fixed until init()/set_cache_dir(), which clear this.
+        std::string request = name;
+        for (const auto& part : {std::string_view(source), std::string_view(ptxas_verbose ? "v" : "")})
+            request.append(1, '\0').append(part);
+        for (const auto& flag : extra_flags)
+            request.append(1, '\0').append(flag);
+
         // Snapshot the settings and the key under the lock; compile outside it so that threads
         // compiling different kernels do not serialise on one another.
         std::vector<std::string> flag_list;
@@ -251,6 +260,8 @@ public:
             if (not initialized_)
                 raise_runtime_error("the JIT is not initialised: call deep_gemm.jit.init() (Python) or "
                                     "deep_gemm::jit::init() first");
+            if (auto it = memory_cache_.find(request); it != memory_cache_.end())
+                return it->second;
             std::vector<std::string> all_extra = extra_flags;
             if (ptxas_verbose)
                 all_extra.insert(all_extra.end(), {"-Xptxas", "-v"});
@@ -260,16 +271,15 @@ public:
 
             Sha256 hasher;
             hasher.update_field(source);
+            // Include paths differ between machines; what they hold is hashed instead (our headers
+            // by content, CUTLASS by its pinned wheel), so a cache filled on a CPU-only machine is
+            // found on the GPU machine that the cubins are carried to.
             for (const auto& flag : flag_list)
-                hasher.update_field(flag);
+                hasher.update_field(flag.rfind("-I", 0) == 0 ? std::string("-I<path>") : flag);
             hasher.update_field(nvcc_version_locked());
             hasher.update_field(header_digest_locked());
             // 128 bits of the digest: a short directory name, still collision-free in practice
             key = name + "_" + hasher.hex_digest().substr(0, 32);
-
-            // In-process hit: a launcher calling compile() on every call pays a hash and a lookup
-            if (auto it = memory_cache_.find(key); it != memory_cache_.end())
-                return it->second;
         }
 
         // Threads of this process asking for the same kernel wait for one nvcc run (processes
@@ -289,7 +299,7 @@ public:
         if (fs::exists(cubin_path(final_dir), ec)) {
             if (debug)
                 std::fprintf(stderr, "deep_gemm JIT: %s: cache hit: %s\n", name.c_str(), final_dir.c_str());
-            remember(key, final_dir);
+            remember(request, final_dir);
             return final_dir;
         }
 
@@ -333,7 +343,7 @@ public:
             std::fprintf(stderr, "deep_gemm JIT: %s: compiled in %.2f s\n", name.c_str(), seconds);
 
         publish(tmp_dir, final_dir);
-        remember(key, final_dir);
+        remember(request, final_dir);
         return final_dir;
     }
 
@@ -394,9 +404,9 @@ private:
         return header_digest_;
     }
 
-    void remember(const std::string& key, const fs::path& dir) {
+    void remember(const std::string& request, const fs::path& dir) {
         std::lock_guard<std::mutex> lock(mutex_);
-        memory_cache_.emplace(key, dir);
+        memory_cache_.emplace(request, dir);
     }
 
     // Make `tmp_dir` visible as `final_dir` in one step. rename(2) fails if another process
@@ -424,7 +434,7 @@ private:
     bool cache_dir_overridden_ = false;
     fs::path include_dir_, cuda_home_, cutlass_include_, nvcc_, cache_dir_;
     std::string nvcc_version_, header_digest_;
-    std::unordered_map<std::string, fs::path> memory_cache_;
+    std::unordered_map<std::string, fs::path> memory_cache_;  // request (name, source, flags) -> directory
     std::unordered_map<std::string, std::shared_ptr<std::mutex>> key_mutexes_;
     std::atomic<int64_t> num_invocations_{0};
 };

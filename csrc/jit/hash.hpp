@@ -7,6 +7,7 @@
 // hash makes that unlikely; SHA-256 makes it a non-issue, and at ~300 MB/s it costs ~1 ms for
 // the ~100 KB of headers hashed once per process. No OpenSSL: `_C` links nothing but libdl.
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <cstring>
@@ -18,14 +19,17 @@ namespace deep_gemm::jit {
 class Sha256 {
 public:
     Sha256& update(std::string_view data) {
-        for (const char c : data) {
-            block_[block_size_++] = static_cast<uint8_t>(c);
+        num_bytes_ += data.size();
+        while (not data.empty()) {
+            const size_t n = std::min(data.size(), 64 - block_size_);
+            std::memcpy(block_.data() + block_size_, data.data(), n);
+            block_size_ += n;
+            data.remove_prefix(n);
             if (block_size_ == 64) {
                 compress();
                 block_size_ = 0;
             }
         }
-        num_bytes_ += data.size();
         return *this;
     }
 
