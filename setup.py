@@ -38,6 +38,10 @@ ext = Pybind11Extension(
     include_dirs=['csrc', 'deep_gemm/include', os.path.join(cuda_home, 'include')],
     cxx_std=20,
     extra_compile_args=['-O2', '-Wno-unused-function'],
+    # A compiler newer than the process's libstdc++ inlines stream code that the older runtime's
+    # locale facets do not match (seen as a crash in `ostream << int`): link libstdc++ statically
+    # then (DG_STATIC_LIBSTDCXX=1), or build with the system compiler.
+    extra_link_args=['-static-libstdc++', '-static-libgcc'] if os.environ.get('DG_STATIC_LIBSTDCXX') == '1' else [],
     libraries=['dl'],
     depends=csrc_headers(),
 )

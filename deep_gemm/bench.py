@@ -58,6 +58,9 @@ CPU_REPS = 5
 CPU_MESSAGE = 'No SM90 GPU: the fused kernel was NOT run; timed the float32 torch reference on the CPU instead.'
 
 NOT_BUILT = 'not built yet'
+# calc_diff(fused y, baseline y) above which a row is flagged: the formats' own quantization
+# (FP8 activations vs the BF16 baseline) stays near 1e-3
+DIFF_WARNING = 1e-2
 SEED = 2024
 
 
@@ -78,7 +81,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         prog='python -m deep_gemm.bench',
         description='Benchmark the fused Mega MoE kernel against a plain torch MoE on the same weights.')
     parser.add_argument('--shapes', nargs='+', choices=sorted(SHAPES), metavar='NAME',
-                        help=f'model shapes (H/I/E/topk): ' +
+                        help='model shapes (H/I/E/topk): ' +
                              ', '.join(f'{s.name} {s.hidden}/{s.intermediate}/{s.num_experts}/{s.num_topk}'
                                        for s in SHAPES.values()) + ' (default: all)')
     parser.add_argument('--tokens', nargs='+', type=_positive_int, metavar='N',
@@ -147,38 +150,43 @@ def _fmt(value: object, digits: int = 1) -> str:
     return str(value)
 
 
-_COLUMNS = (  # header, key, digits
-    ('format', 'format', 0), ('shape', 'shape', 0), ('ep', 'ep', 0), ('n', 'n', 0), ('fused us', 'fused_us', 1),
-    ('TFLOPS', 'tflops', 1), ('GB/s', 'hbm_gbs', 0), ('% roof', 'pct_roofline', 1), ('roof us', 'roofline_us', 1),
-    ('base us', 'baseline_us', 1), ('speedup', 'speedup', 2), ('diff', 'diff', 0), ('baseline', 'baseline', 0),
+_COLUMNS = (  # header, key, digits, minimum width (so that rows printed one at a time line up)
+    ('format', 'format', 0, 9), ('shape', 'shape', 0, 11), ('ep', 'ep', 0, 2), ('n', 'n', 0, 5),
+    ('fused us', 'fused_us', 1, 8), ('TFLOPS', 'tflops', 1, 6), ('GB/s', 'hbm_gbs', 0, 5),
+    ('% roof', 'pct_roofline', 1, 6), ('roof us', 'roofline_us', 1, 7), ('base us', 'baseline_us', 1, 8),
+    ('speedup', 'speedup', 2, 7), ('diff', 'diff', 0, 7), ('baseline', 'baseline', 0, 0),
 )
 
 
-def format_table(rows: Sequence[Dict[str, object]]) -> str:
-    """Rows as an aligned text table; a row's status (if not ok) and note follow on their own line."""
-    cells = [[h for h, _, _ in _COLUMNS]]
+def format_table(rows: Sequence[Dict[str, object]], header: bool = True) -> str:
+    """Rows as an aligned text table; a row's status (if not ok), eager timings and note follow on a
+    `^` line under it. `header=False` drops the header (widths then fit the rows only)."""
+    cells = [[c[0] for c in _COLUMNS]]
     for row in rows:
         line = []
-        for _, key, digits in _COLUMNS:
+        for _, key, digits, _ in _COLUMNS:
             value = row.get(key)
             line.append(f'{value:.1e}' if key == 'diff' and isinstance(value, float) else _fmt(value, digits))
         cells.append(line)
-    widths = [max(len(c[i]) for c in cells) for i in range(len(_COLUMNS))]
+    widths = [max([col[3]] + [len(c[i]) for c in cells]) for i, col in enumerate(_COLUMNS)]
     out = []
     for i, line in enumerate(cells):
-        out.append('  '.join(c.rjust(w) if 3 <= j <= 11 else c.ljust(w) for j, (c, w) in enumerate(zip(line, widths)))
+        if i == 0 and not header:
+            continue
+        out.append('  '.join(c.rjust(w) if 2 <= j <= 11 else c.ljust(w) for j, (c, w) in enumerate(zip(line, widths)))
                    .rstrip())
         if i == 0:
             out.append('-' * len(out[-1]))
-        else:
-            row = rows[i - 1]
-            extra = [str(row['status'])] if row.get('status') not in (None, 'ok') else []
-            extra += [f'fused: {row["fused_timing"]}'] if str(row.get('fused_timing') or 'graph') != 'graph' else []
-            extra += [f'baseline: {row["baseline_timing"]}'] \
-                if str(row.get('baseline_timing') or 'graph') != 'graph' else []
-            extra += [str(row['note'])] if row.get('note') else []
-            if extra:
-                out.append('    ^ ' + '; '.join(extra))
+            continue
+        row = rows[i - 1]
+        extra = [str(row['status'])] if row.get('status') not in (None, 'ok') else []
+        for who in ('fused', 'baseline'):
+            how = row.get(f'{who}_timing')
+            if how not in (None, 'graph'):
+                extra.append(f'{who}: {how}')
+        extra += [str(row['note'])] if row.get('note') else []
+        if extra:
+            out.append('    ^ ' + '; '.join(extra))
     return '\n'.join(out)
 
 
@@ -263,7 +271,9 @@ def bench_row(mma_type: str, shape: MoEShape, n: int, ep: int, weights, buffers,
                                why_eager='per-expert loop syncs the host')
         fields.update(baseline=baseline.describe(), baseline_us=timing.us, baseline_timing=timing.how)
         if fused is not None:
-            fields['diff'] = calc_diff(fused.float(), timing.output.float())
+            fields['diff'] = diff = calc_diff(fused.float(), timing.output.float())
+            if not diff < DIFF_WARNING:
+                notes.append(f'CHECK: fused and baseline outputs disagree (calc_diff {diff:.1e})')
     except Exception as e:  # noqa: BLE001
         notes.append(f'baseline: {_error_text(e)}')
 
@@ -287,7 +297,10 @@ def bench_format_shape(mma_type: str, shape: MoEShape, tokens: Sequence[int], ep
     except NotImplementedError as e:
         return [make_row(mma_type, shape, n, ep, status=NOT_BUILT, note=_error_text(e)) for n in tokens]
     except Exception as e:  # noqa: BLE001 - e.g. out of memory: report and go on
-        return [make_row(mma_type, shape, n, ep, status='error', note=f'weights: {_error_text(e)}') for n in tokens]
+        rows = [make_row(mma_type, shape, n, ep, status='error', note=f'weights: {_error_text(e)}') for n in tokens]
+        del e
+        _free_gpu_memory()
+        return rows
     rows = []
     try:
         buffers = make_buffers(mma_type, ep, shape.num_experts, max(tokens), shape.num_topk, shape.hidden,
@@ -299,8 +312,7 @@ def bench_format_shape(mma_type: str, shape: MoEShape, tokens: Sequence[int], ep
         for i, n in enumerate(tokens):
             row = bench_row(mma_type, shape, n, ep, weights, buffers, baseline, streams, reps, flush,
                             seed=SEED + 1000 * i + n)
-            print(format_table([row]).splitlines()[-1 if not row['note'] and row['status'] == 'ok' else -2],
-                  flush=True)
+            print(format_table([row], header=False), flush=True)
             rows.append(row)
     except Exception as e:  # noqa: BLE001
         done = {r['n'] for r in rows}
@@ -308,9 +320,14 @@ def bench_format_shape(mma_type: str, shape: MoEShape, tokens: Sequence[int], ep
                  if n not in done]
     finally:
         weights = buffers = baseline = None
-        gc.collect()
-        torch.cuda.empty_cache()
+        _free_gpu_memory()
     return rows
+
+
+def _free_gpu_memory() -> None:
+    # The next (format, shape) needs the memory: the largest weights take ~75 GB while generated
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def run_gpu(args: argparse.Namespace) -> List[Dict[str, object]]:
@@ -321,6 +338,7 @@ def run_gpu(args: argparse.Namespace) -> List[Dict[str, object]]:
         print(f'# --ep {args.ep}: {args.ep} VIRTUAL ranks on this one GPU (one launch per rank on its own stream, '
               f'1/{args.ep} of the SMs each), not {args.ep} GPUs; n is tokens per rank', flush=True)
     flush = L2Flusher(torch.device('cuda'))
+    print(format_table([]), flush=True)
     rows: List[Dict[str, object]] = []
     for name in args.shapes:
         for mma_type in args.formats:
@@ -343,20 +361,25 @@ def run_cpu_reference(reps: int = CPU_REPS) -> Dict[str, object]:
     idx, w = make_routing(n, s.num_experts, s.num_topk, g, 'cpu')
     l1 = torch.randn(s.num_experts, 2 * s.intermediate, s.hidden, generator=g) / s.hidden ** 0.5
     l2 = torch.randn(s.num_experts, s.hidden, s.intermediate, generator=g) / s.intermediate ** 0.5
-    reference_moe(x, idx, w, l1, l2)   # warm-up
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        reference_moe(x, idx, w, l1, l2)
-        times.append((time.perf_counter() - start) * 1e6)
+    # One thread: on a small problem more threads only add contention (40x slower on a busy 2-core box)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        reference_moe(x, idx, w, l1, l2)   # warm-up
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            reference_moe(x, idx, w, l1, l2)
+            times.append((time.perf_counter() - start) * 1e6)
+    finally:
+        torch.set_num_threads(threads)
     times.sort()
     t_us = times[len(times) // 2]
     pairs, touched = routing_counts([idx])
     metrics = row_metrics('bf16xbf16', s, n, pairs, touched, None)
-    return make_row('fp32 reference (CPU)', s, n, 1, status='cpu', routed_pairs=pairs, experts_touched=touched,
+    return make_row('fp32 reference (CPU)', s, n, 1, routed_pairs=pairs, experts_touched=touched,
                     baseline='deep_gemm.testing.reference_moe', baseline_us=t_us, baseline_timing='eager: CPU',
-                    flops=metrics['flops'], tflops=metrics['flops'] / (t_us * 1e-6) / 1e12,
-                    note=f'median of {reps} runs, float32 on the CPU; fused kernel not run')
+                    flops=metrics['flops'], note=f'fused kernel NOT run; median of {reps} runs, float32, 1 CPU thread')
 
 
 # --------------------------------------------------------------------------------------------------
@@ -413,7 +436,8 @@ def plot_rows(rows: Sequence[Dict[str, object]], path: str, title: str = '') -> 
             ax_r.plot(*zip(*pts), '-o', color=color, label=label)
     ax_t.set(xscale='log', yscale='log', xlabel='tokens per rank', ylabel='latency (us)',
              title='latency: fused (solid) vs torch baseline (dashed)')
-    ax_r.set(xscale='log', xlabel='tokens per rank', ylabel='% of roofline', ylim=(0, 105),
+    top = max([105.0] + [float(r['pct_roofline']) + 5 for r in rows if r.get('pct_roofline') is not None])
+    ax_r.set(xscale='log', xlabel='tokens per rank', ylabel='% of roofline', ylim=(0, top),
              title='fused kernel, % of roofline')
     for ax in (ax_t, ax_r):
         ax.grid(True, which='both', alpha=0.3)

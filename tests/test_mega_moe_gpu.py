@@ -3,12 +3,14 @@
 Every case: fresh random inputs, y poisoned with NaN before the call, every row compared with the
 reference that emulates the kernel's own quantization steps (`reference_moe_emulated`).
 
-Tolerance: calc_diff(y, ref) < 1e-5 for every format. Both sides quantize the same values with the
-same formulas (bit-identical helpers); what remains is FP32 accumulation order (WGMMA with per-128
-promotion vs torch matmul, ~1e-7 relative), which now and then moves an L1 output across an E4M3 or
-BF16 rounding boundary. One such flip changes one of I elements of a row by one FP8 step (2^-3
-relative), i.e. ~1e-5 of the row's squared norm when it happens; measured diffs are ~1e-7. A real
-bug (a wrong row, a missing top-k slot, a wrong scale) gives calc_diff > 1e-3.
+Tolerance (calc_diff against the emulating reference): 5e-5 for FP8, 2e-6 for BF16. Both sides
+quantize the same values with bit-identical formulas; what remains is accumulation. FP8 WGMMA adds
+the products of one 128-wide K chunk at reduced precision inside the tensor core (the reason for
+per-128 promotion; about 2^-13 relative), so a few percent of the L1 outputs land on the other side
+of an E4M3 rounding boundary than in the float32 reference; each such flip moves one of I elements
+by one FP8 step (2^-4 relative). Measured on the H200: 2e-6 to 1e-5. BF16 WGMMA accumulates in FP32
+and only BF16 rounding flips remain: measured 3e-9 to 3e-7. A real bug (a wrong row, a lost top-k
+slot, a wrong scale) gives calc_diff > 1e-3.
 """
 import os
 
@@ -22,7 +24,7 @@ from deep_gemm.testing import moe_case as mc
 sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 pytestmark = pytest.mark.skipif(not sm90, reason='needs an SM90 (Hopper) GPU')
 
-TOL = 1e-5
+TOL = {'fp8xfp8': 5e-5, 'bf16xbf16': 2e-6}
 FORMATS = ['fp8xfp8', 'bf16xbf16']
 _weights_cache = {}
 
@@ -49,7 +51,7 @@ def check_case(mma_type, hidden, inter, experts, topk, ns, seed, n_max=None, cla
         ref = mc.reference(w, inp, clamp)
         assert not torch.isnan(y).any(), f'rank {r}: unwritten (NaN) rows in y'
         d = calc_diff(y.float(), ref) if ns[r] > 0 else 0.0
-        assert d < TOL, f'rank {r}: calc_diff {d:.3e}'
+        assert d < TOL[mma_type], f'rank {r}: calc_diff {d:.3e}'
         worst = max(worst, d)
     for b in bufs:
         b.check()
@@ -125,7 +127,7 @@ def test_back_to_back_changing_calls(mma_type):
         if call % 50 == 0 or call == num_calls - 1:   # reference on a sample; every call must not fail
             for y, inp in zip(ys, inputs):
                 if inp.x_q.shape[0]:
-                    assert calc_diff(y.float(), mc.reference(w, inp)) < TOL, f'call {call}'
+                    assert calc_diff(y.float(), mc.reference(w, inp)) < TOL[mma_type], f'call {call}'
     for b in bufs:
         b.check()
 
@@ -158,4 +160,4 @@ def test_cuda_graph_replay(mma_type):
         torch.cuda.synchronize()
         eager = mc.run_ranks(w, [inp], [buf])[0]
         assert torch.equal(y.view(torch.int16), eager.view(torch.int16))
-        assert calc_diff(y.float(), mc.reference(w, inp)) < TOL
+        assert calc_diff(y.float(), mc.reference(w, inp)) < TOL[mma_type]

@@ -7,9 +7,10 @@
 // arguments. `compile(name, source)` turns it into `<cache>/cache/<name>_<key>/kernel.cubin`,
 // where <key> is the SHA-256 of everything that can change the cubin:
 //   - the generated source text,
-//   - the full nvcc flag list (include paths and DG_JIT_PTXAS_VERBOSE included),
+//   - the nvcc flag list (DG_JIT_PTXAS_VERBOSE and extra flags included; `-I` paths stand in as
+//     a placeholder, so that a cache filled on one machine is valid on another),
 //   - `nvcc --version` (computed once per process),
-//   - the path and contents of every file under the deep_gemm include dir and CUTLASS's
+//   - the relative path and contents of every file under the deep_gemm include dir, and CUTLASS's
 //     version.h (computed once per process), so editing a header invalidates the cache.
 // A directory becomes visible only through an atomic rename of a fully written temporary one,
 // so concurrent processes (e.g. 8 ranks starting together) never see a partial cubin: the

@@ -198,7 +198,6 @@ def time_callable(fn: Callable[[], object], reps: int, flush: Optional[Callable[
         try:
             graph, out = capture_graph(fn)
         except Exception as e:  # noqa: BLE001 - any capture failure means: time it eagerly
-            torch.cuda.synchronize()
             why_eager = f'capture failed: {type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ""}'
         else:
             us = event_median_us(graph.replay, reps, flush)
@@ -368,8 +367,9 @@ class TorchMoEBaseline:
         notes = []
         for mode in (GEMM_SCALED, GEMM_GROUPED):
             if mode in self.broken:
+                # The full reason went into the note of the call that found it
                 if not self.broken[mode].startswith('no FP8'):
-                    notes.append(f'{mode}: {self.broken[mode]}')
+                    notes.append(f'{mode} unsupported here')
                 continue
             try:
                 diff = calc_diff(self.forward(x, x_sf, topk_idx, topk_weights, mode), reference)

@@ -5,6 +5,9 @@
 // handful of variants (format x BLOCK_M x stages x fast math) cover every model.
 
 #include <cmath>
+#include <map>
+#include <mutex>
+#include <tuple>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -47,12 +50,19 @@ struct SM90MegaMoEVariant {
         return os.str();
     }
 
-    // Compile (or find in the cache) on any machine, GPU or not
+    // Compile (or find in the cache) on any machine, GPU or not. Remembered per variant, so a
+    // launch does not regenerate and hash the source.
     std::filesystem::path compile() const {
         if (mma_type == MmaType::kFP8xFP4)
             throw std::runtime_error("deep_gemm: the FP8 x FP4 Mega MoE kernel is not built yet (issue 4); "
                                      "use fp8_mega_moe or bf16_mega_moe");
-        return jit::compile(name(), source());
+        static std::mutex mutex;
+        static std::map<std::tuple<int, int, int, bool>, std::filesystem::path> compiled;
+        const auto key = std::make_tuple(static_cast<int>(mma_type), block_m, num_stages, fast_math);
+        std::lock_guard<std::mutex> lock(mutex);
+        if (auto it = compiled.find(key); it != compiled.end())
+            return it->second;
+        return compiled.emplace(key, jit::compile(name(), source())).first->second;
     }
 };
 
