@@ -25,7 +25,7 @@ else
 fi
 python3 setup.py build_ext --inplace -q --force > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 start=$(date +%s)
-python3 -m pytest tests -q -x -p no:cacheprovider --timeout=300 "$@" 2>&1 | tee "$OUT/tests.log" | tail -40
+python3 -m pytest -q -x -p no:cacheprovider --timeout=300 "${@:-tests}" 2>&1 | tee "$OUT/tests.log" | tail -40
 status=${PIPESTATUS[0]}
 echo "tests took $(( $(date +%s) - start )) s, exit $status"
 if [ "${DG_RUN_BENCH:-0}" = "1" ]; then

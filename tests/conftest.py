@@ -61,3 +61,18 @@ def jit_cache_dir(tmp_path):
     _C.set_cache_dir(str(cache))
     yield cache
     _C.set_cache_dir('')
+
+
+# Worst calc_diff per format seen by the GPU tests, printed at the end of the run (the note and
+# docs/PERF.md quote it)
+WORST_DIFF = {}
+
+
+def record_diff(mma_type: str, diff: float) -> None:
+    WORST_DIFF[mma_type] = max(WORST_DIFF.get(mma_type, 0.0), diff)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if WORST_DIFF:
+        terminalreporter.write_line('worst calc_diff per format: ' +
+                                    ', '.join(f'{k} {v:.3e}' for k, v in sorted(WORST_DIFF.items())))
