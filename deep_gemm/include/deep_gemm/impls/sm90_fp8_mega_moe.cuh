@@ -394,30 +394,44 @@ struct Kernel {
             const int m = idx / nblocks, j = idx % nblocks;
             const int le = expert_of_mblock(m);
 
-            // acquire: L1 waits for its M-block's tokens, L2 for all L1 N-blocks of its M-block
-            const bool ready = is_l1
-                ? bounded_wait(p, sm.ctrl, Phase::kL1Wait, p.rank, [&] { return ld_acquire_gpu(arrival + m) >= 1; })
-                : bounded_wait(p, sm.ctrl, Phase::kL2Wait, p.rank, [&] {
-                      return ld_acquire_gpu(l1_done + m) >= static_cast<uint32_t>(tasks.num_l1_nblocks * kNumMathWGs); });
-            if (ready) fence_proxy_async_global();
-
             const int num_kb = (is_l1 ? lay.hidden : lay.intermediate_hidden) / BLOCK_K;
             const int b_rows = is_l1 ? kMegaMoEBlockNL1 : kMegaMoEBlockNL2;
             const int b_row0 = le * (is_l1 ? 2 * lay.intermediate_hidden : lay.hidden) + j * b_rows;
-            for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
-                const int s = stage_iter % kNumStages;
-                const bool free = ready and bounded_wait(p, sm.ctrl, Phase::kPipeline, p.rank,
-                                                         [&] { return mbarrier_try_wait(sm.empty + s, ((stage_iter / kNumStages) & 1) ^ 1); });
-                if (not free) {
-                    // Aborted: complete the stage without data so the math warpgroups see the
-                    // abort flag instead of waiting for bytes that will never come
-                    mbarrier_arrive(sm.full + s);
-                    continue;
-                }
-                mbarrier_arrive_expect_tx(sm.full + s, kABytes + (is_l1 ? kBBytesL1 : kBBytesL2));
-                tma_load_2d(sm.stage_a(s), is_l1 ? tm_l1_act : tm_l2_act, sm.full + s, kb * BLOCK_K, m * BLOCK_M);
-                tma_load_2d(sm.stage_b(s), is_l1 ? tm_l1_w : tm_l2_w, sm.full + s, kb * BLOCK_K, b_row0);
+            const uint32_t stage_bytes = kABytes + (is_l1 ? kBBytesL1 : kBBytesL2);
+            const CUtensorMap* tm_act = is_l1 ? tm_l1_act : tm_l2_act;
+            const CUtensorMap* tm_w = is_l1 ? tm_l1_w : tm_l2_w;
+            auto claim_stage = [&](uint32_t it) {
+                const int s = it % kNumStages;
+                if (not bounded_wait(p, sm.ctrl, Phase::kPipeline, p.rank,
+                                     [&] { return mbarrier_try_wait(sm.empty + s, ((it / kNumStages) & 1) ^ 1); }))
+                    return false;
+                mbarrier_arrive_expect_tx(sm.full + s, stage_bytes);
+                tma_load_2d(sm.stage_b(s), tm_w, sm.full + s, static_cast<int>(it - stage_iter) * BLOCK_K, b_row0);
+                return true;
+            };
+
+            // Weights do not depend on this call's routing: stream the first stages of B while the
+            // M-block's tokens (L1) or its L1 outputs (L2) are still on their way. In decode this
+            // overlaps nearly all L2 weight traffic with L1, and all of it with dispatch.
+            const int num_prefetch = min_of(num_kb, kNumStages);
+            bool ok = true;
+            for (int kb = 0; kb < num_prefetch and ok; ++kb) ok = claim_stage(stage_iter + kb);
+
+            // acquire: L1 waits for its M-block's tokens, L2 for all L1 N-blocks of its M-block
+            ok = ok and (is_l1
+                ? bounded_wait(p, sm.ctrl, Phase::kL1Wait, p.rank, [&] { return ld_acquire_gpu(arrival + m) >= 1; })
+                : bounded_wait(p, sm.ctrl, Phase::kL2Wait, p.rank, [&] {
+                      return ld_acquire_gpu(l1_done + m) >= static_cast<uint32_t>(tasks.num_l1_nblocks * kNumMathWGs); }));
+            // Aborted: stop issuing; the math warpgroups see the abort flag in their bounded waits
+            if (not ok) break;
+            fence_proxy_async_global();
+            for (int kb = 0; kb < num_kb and ok; ++kb) {
+                if (kb >= num_prefetch) ok = claim_stage(stage_iter + kb);
+                if (ok) tma_load_2d(sm.stage_a((stage_iter + kb) % kNumStages), tm_act, sm.full + (stage_iter + kb) % kNumStages,
+                                    kb * BLOCK_K, m * BLOCK_M);
             }
+            if (not ok) break;
+            stage_iter += num_kb;
         }
     }
 
