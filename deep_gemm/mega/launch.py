@@ -44,6 +44,7 @@ def launch_mega_moe(kind: str, y: torch.Tensor, l1, l2, buf, stats: Optional[tor
         intermediate_hidden=buf.intermediate_hidden, num_tokens=y.shape[0], y=y.data_ptr(),
         l1_weights=l1_w, l1_weight_scales=l1_s, l2_weights=l2_w, l2_weight_scales=l2_s,
         stats=0 if stats is None else stats.data_ptr(), host_status=0 if mirror is None else mirror.data_ptr(),
+        trace=0 if getattr(buf, '_trace', None) is None else buf._trace.data_ptr(),
         stream=torch.cuda.current_stream(y.device).cuda_stream,
         activation_clamp=0.0 if activation_clamp is None else float(activation_clamp), fast_math=bool(fast_math),
         timeout_s=status.get_timeout(), num_sms=int(num_sms), max_smem_bytes=_max_smem(y.device))

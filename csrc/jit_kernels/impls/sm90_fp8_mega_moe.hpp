@@ -72,7 +72,7 @@ struct SM90MegaMoEArgs {
     std::vector<int64_t> buffers;   // every rank's buffer base address
     int rank, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden;
     int num_tokens;
-    int64_t y, l1_weights, l1_weight_scales, l2_weights, l2_weight_scales, stats, host_status, stream;
+    int64_t y, l1_weights, l1_weight_scales, l2_weights, l2_weight_scales, stats, host_status, trace, stream;
     double activation_clamp;        // <= 0 or inf: none
     bool fast_math;
     double timeout_s;
@@ -111,6 +111,7 @@ inline MegaMoEConfig launch_sm90_mega_moe(const SM90MegaMoEArgs& a) {
                                   ? static_cast<float>(a.activation_clamp) : INFINITY;
     params.timeout_ns = static_cast<uint64_t>(a.timeout_s * 1e9);
     params.host_status = reinterpret_cast<uint64_t*>(a.host_status);
+    params.trace = reinterpret_cast<uint64_t*>(a.trace);
 
     const auto& lay = params.layout;
     const bool fp8 = is_fp8_activation(a.mma_type);

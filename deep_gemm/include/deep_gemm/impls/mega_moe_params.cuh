@@ -44,6 +44,13 @@ DG_HOST_DEVICE constexpr int mega_moe_smem_bytes(int block_m, int num_stages) {
            mega_moe_control_smem_bytes(num_stages) + 1024;
 }
 
+// Phase timestamps per CTA when `MegaMoEParams::trace` is set (a development aid: where does a
+// decode call spend its microseconds). "first" slots keep the first stamp, the others the last.
+enum TraceSlot : int {
+    kTraceStart = 0, kTraceCounted, kTraceLayout, kTracePullEnd, kTraceL1Begin, kTraceL1End,
+    kTraceL2Begin, kTraceL2End, kTraceCombineReady, kTraceCombineEnd, kTraceExit, kTraceSlots = 16
+};
+
 struct MegaMoEParams {
     layout::MegaMoELayout layout;
     void* buffers[kMaxRanks];           // every rank's symmetric-buffer base (index = rank)
@@ -56,6 +63,7 @@ struct MegaMoEParams {
     float activation_clamp;             // +inf when no clamp
     uint64_t timeout_ns;
     uint64_t* host_status;              // pinned, host-mapped mirror of the status word, or nullptr
+    uint64_t* trace;                    // [grid][kTraceSlots] %globaltimer stamps (scripts/trace.py), or nullptr
 };
 
 }  // namespace deep_gemm

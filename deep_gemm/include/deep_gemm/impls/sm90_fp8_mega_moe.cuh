@@ -176,6 +176,12 @@ struct Kernel {
     template <typename T>
     __device__ T* peer(int rank, const L::Section& s) const { return lay.get_ptr<T>(p.buffers[rank], s); }
 
+    __device__ void trace(TraceSlot slot, bool first_only = false) const {
+        if (p.trace == nullptr) return;
+        uint64_t* stamp = p.trace + blockIdx.x * kTraceSlots + slot;
+        if (not first_only or *stamp == 0) *stamp = globaltimer_ns();
+    }
+
     __device__ int expert_of_mblock(int m) const {
         int lo = 0, hi = lay.num_local_experts - 1;   // largest le with mblock_begin[le] <= m
         while (lo < hi) {
@@ -326,7 +332,7 @@ struct Kernel {
         fence_proxy_async_global();
         __threadfence();
         named_barrier(kBarrierDispatch, kNumDispatchThreads);
-        if (dispatch_thread == 0) red_release_gpu_add(mine<uint32_t>(lay.mblock_arrival) + m, 1);
+        if (dispatch_thread == 0) red_release_gpu_add(mine<uint32_t>(lay.mblock_arrival) + m, 1), trace(kTracePullEnd);
     }
 
     // Combine (dispatch warps): y[t] = sum over valid slots k (in order) of the BF16 rows
@@ -338,6 +344,7 @@ struct Kernel {
         }
         named_barrier(kBarrierDispatch, kNumDispatchThreads);
         if (sm.ctrl->abort) return;
+        if (dispatch_thread == 0) trace(kTraceCombineReady, true);
 
         const int hidden = lay.hidden, topk = lay.num_topk, n_max = lay.num_max_tokens_per_rank;
         const int first = c * kCombineTokensPerTask, last = min_of(p.num_tokens, first + kCombineTokensPerTask);
@@ -365,6 +372,7 @@ struct Kernel {
             for (int j = 0; j < 4; ++j) o[j] = __floats2bfloat162_rn(sum[2 * j], sum[2 * j + 1]);
             *reinterpret_cast<int4*>(y + static_cast<int64_t>(t) * hidden + col) = out;
         }
+        if (dispatch_thread == 0) trace(kTraceCombineEnd);
     }
 
     // ------------------------------------------------------------------------------------------
@@ -706,13 +714,17 @@ struct Kernel {
             if (t >= tasks.pull_end() and t < tasks.l1_end()) {
                 const int idx = t - tasks.pull_end(), m = idx / tasks.num_l1_nblocks, j = idx % tasks.num_l1_nblocks;
                 float acc[128];
+                if (mt.tid == 0) trace(kTraceL1Begin, true);
                 if (not l1_mainloop(m, expert_of_mblock(m), j, stage_iter, mt, acc)) break;
                 l1_epilogue(m, j, mt, acc);
+                if (mt.tid == 0) trace(kTraceL1End);
             } else if (t >= tasks.l1_end() and t < tasks.l2_end()) {
                 const int idx = t - tasks.l1_end(), m = idx / tasks.num_l2_nblocks, j = idx % tasks.num_l2_nblocks;
                 float acc[64];
+                if (mt.tid == 0) trace(kTraceL2Begin, true);
                 if (not l2_mainloop(m, expert_of_mblock(m), j, stage_iter, mt, acc)) break;
                 l2_epilogue(m, j, mt, acc);
+                if (mt.tid == 0) trace(kTraceL2End);
             }
         }
     }
@@ -724,6 +736,7 @@ struct Kernel {
         SharedControl* ctrl = sm.ctrl;
 
         if (threadIdx.x == 0) {
+            trace(kTraceStart);
             for (int s = 0; s < kNumStages; ++s) {
                 mbarrier_init(sm.full + s, 1);
                 mbarrier_init(sm.empty + s, 4 * kNumMathWGs);      // one lane per math warp
@@ -748,8 +761,12 @@ struct Kernel {
         __syncthreads();
         epoch = ctrl->epoch;
 
-        if (ctrl->did_count) count_and_send();
+        if (ctrl->did_count) {
+            count_and_send();
+            if (threadIdx.x == 0) trace(kTraceCounted);
+        }
         build_layout();
+        if (threadIdx.x == 0) trace(kTraceLayout);
 
         if (not ctrl->late and not ctrl->abort) {
             tasks.num_mblocks = ctrl->num_mblocks;
@@ -786,6 +803,7 @@ struct Kernel {
         // Leave; the last CTA out resets the per-call counters for the next call on this buffer
         __syncthreads();
         if (threadIdx.x == 0) {
+            trace(kTraceExit);
             __threadfence();
             const uint32_t exited = atomicAdd(control + L::kControlExitedCtas, 1);
             ctrl->is_last_cta = exited == gridDim.x - 1;

@@ -1,0 +1,47 @@
+"""Where does one Mega MoE call spend its time? Per-CTA %globaltimer stamps of each phase.
+
+    python scripts/trace.py [fmt hidden inter experts topk n ...]
+
+Prints, per phase, how many CTAs stamped it and the min / median / max time in microseconds after
+the first CTA started. Development aid (the kernel writes stamps only when a trace buffer is given).
+"""
+import sys
+
+import torch
+
+from deep_gemm import _C
+from deep_gemm.testing import moe_case as mc
+
+SLOTS = ['start', 'counted', 'layout', 'pull end', 'L1 begin', 'L1 end', 'L2 begin', 'L2 end',
+         'combine ready', 'combine end', 'exit']
+
+
+def trace_case(fmt, h, i, e, k, n, reps=3):
+    w = mc.make_weights(fmt, h, i, e, 1, seed=0)
+    (buf,) = mc.make_buffers(fmt, 1, e, max(n, 1), k, h, i)
+    inputs = mc.make_inputs(fmt, [n], h, e, k, seed=1)
+    buf._trace = torch.zeros(_C.get_num_sms() * 16, dtype=torch.int64, device='cuda')
+    for _ in range(reps):   # the last call is traced warm
+        buf._trace.zero_()
+        mc.run_ranks(w, inputs, [buf])
+    t = buf._trace.view(-1, 16)[:, :len(SLOTS)].cpu()
+    t0 = t[:, 0][t[:, 0] > 0].min()
+    print(f'--- {fmt} {h}/{i}/{e}/{k} n={n}')
+    for s, name in enumerate(SLOTS):
+        col = t[:, s]
+        col = col[col > 0].double()
+        if col.numel():
+            col = (col - t0) / 1e3
+            print(f'{name:>14}: {col.numel():4d} CTAs  min {col.min():8.2f}  median {col.median():8.2f}  max {col.max():8.2f} us')
+
+
+if __name__ == '__main__':
+    if len(sys.argv) > 1:
+        a = sys.argv[1:]
+        trace_case(a[0], *map(int, a[1:6]))
+    else:
+        for fmt in ('fp8xfp8',):
+            trace_case(fmt, 2048, 768, 128, 8, 1)
+            trace_case(fmt, 4096, 2048, 256, 6, 1)
+            trace_case(fmt, 2048, 768, 128, 8, 128)
+            trace_case(fmt, 4096, 2048, 256, 6, 4096)
