@@ -35,7 +35,18 @@ def trace_case(fmt, h, i, e, k, n, reps=3):
             print(f'{name:>14}: {col.numel():4d} CTAs  min {col.min():8.2f}  median {col.median():8.2f}  max {col.max():8.2f} us')
 
 
+def warm_up_gpu(seconds=1.0):
+    # Idle H200s sit at a low SM clock; a second of matmuls brings them to their working clock
+    import time
+    a = torch.randn(8192, 8192, device='cuda', dtype=torch.bfloat16)
+    end = time.time() + seconds
+    while time.time() < end:
+        a @ a
+    torch.cuda.synchronize()
+
+
 if __name__ == '__main__':
+    warm_up_gpu()
     if len(sys.argv) > 1:
         a = sys.argv[1:]
         trace_case(a[0], *map(int, a[1:6]))

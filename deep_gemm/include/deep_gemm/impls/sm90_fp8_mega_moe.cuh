@@ -40,9 +40,10 @@ constexpr int kNumDispatchThreads = kNumDispatchWarps * 32;
 // Named barrier ids (0 is __syncthreads)
 constexpr int kBarrierDispatch = 1;
 constexpr int kBarrierMathBase = 2;  // + math warpgroup index
-// Register quotas after `setmaxnreg` (384 threads: 128 x 40 + 256 x 232 <= 64K)
-constexpr int kProducerRegisters = 40;
-constexpr int kMathRegisters = 232;
+// Register quotas after `setmaxnreg`. Two math warpgroups (384 threads): 128 x 40 + 256 x 232 <= 64K.
+// One math warpgroup (256 threads) leaves room to give the dispatch warps more loads in flight.
+template <int kNumMathWGs> constexpr int kProducerRegisters = kNumMathWGs == 1 ? 88 : 40;
+template <int kNumMathWGs> constexpr int kMathRegisters = kNumMathWGs == 1 ? 240 : 232;
 // How often a spin loop looks at the global status word and the clock
 constexpr uint32_t kPollMask = 63;
 
@@ -120,7 +121,7 @@ struct Kernel {
     static constexpr int kKStepsPerStage = 128 / mma::kWgmmaKBytes;
     static constexpr int kNumRingConsumers = kNumDispatchThreads + 128 * kNumMathWGs;
     static_assert(kStageBytes == kABytes + kBBytesL1);
-    static_assert(kNumMathWGs * 128 * kMathRegisters + 128 * kProducerRegisters <= 65536, "register file");
+    static_assert(kNumMathWGs * 128 * kMathRegisters<kNumMathWGs> + 128 * kProducerRegisters<kNumMathWGs> <= 65536, "register file");
 
     // ------------------------------------------------------------------------------------------
     // Shared memory carve-up (sizes from mega_moe_params.cuh, which the host also uses)
@@ -314,12 +315,16 @@ struct Kernel {
             const auto* from = reinterpret_cast<const int4*>(peer<uint8_t>(src, lay.x) + static_cast<int64_t>(token) * row_bytes);
             auto* to = reinterpret_cast<int4*>(l1_act + g * row_bytes);
             const int num_chunks = row_bytes / 16;
+            // kInFlight 16-byte loads per lane before their stores (NVLink / HBM latency); as many
+            // as the dispatch warps' register quota allows
+            constexpr int kInFlight = kNumMathWGs == 1 ? 8 : 4;
             int c = lane;
-            // 4 loads in flight per lane before the stores (NVLink latency)
-            for (; c + 96 < num_chunks; c += 128) {
-                const int4 v0 = ld_global_nc(from + c), v1 = ld_global_nc(from + c + 32);
-                const int4 v2 = ld_global_nc(from + c + 64), v3 = ld_global_nc(from + c + 96);
-                to[c] = v0, to[c + 32] = v1, to[c + 64] = v2, to[c + 96] = v3;
+            for (; c + 32 * (kInFlight - 1) < num_chunks; c += 32 * kInFlight) {
+                int4 v[kInFlight];
+                #pragma unroll
+                for (int u = 0; u < kInFlight; ++u) v[u] = ld_global_nc(from + c + 32 * u);
+                #pragma unroll
+                for (int u = 0; u < kInFlight; ++u) to[c + 32 * u] = v[u];
             }
             for (; c < num_chunks; c += 32) to[c] = ld_global_nc(from + c);
             if constexpr (kFP8) {
@@ -335,16 +340,21 @@ struct Kernel {
         if (dispatch_thread == 0) red_release_gpu_add(mine<uint32_t>(lay.mblock_arrival) + m, 1), trace(kTracePullEnd);
     }
 
-    // Combine (dispatch warps): y[t] = sum over valid slots k (in order) of the BF16 rows
-    __device__ void combine(int c, int dispatch_thread) {
+    // Combine: y[t] = sum over valid slots k (in order) of the BF16 rows. Every role takes part
+    // (the GEMMs are over by then): a group is the dispatch warps or one math warpgroup, `thread`
+    // its index in a pool of kNumCombineThreads, kSlotsInFlight what its registers allow.
+    static constexpr int kNumCombineThreads = kNumDispatchThreads + 128 * kNumMathWGs;
+
+    template <int kSlotsInFlight>
+    __device__ void combine(int c, int thread, int group_thread, int group_threads, int group_barrier) {
         // acquire: every rank has written its L2 rows for our tokens
-        if (dispatch_thread < lay.num_ranks) {
-            const auto* flag = mine<uint64_t>(lay.combine_ready) + dispatch_thread;
-            bounded_wait(p, sm.ctrl, Phase::kCombineWait, dispatch_thread, [&] { return ld_acquire_sys(flag) >= epoch; });
+        if (group_thread < lay.num_ranks) {
+            const auto* flag = mine<uint64_t>(lay.combine_ready) + group_thread;
+            bounded_wait(p, sm.ctrl, Phase::kCombineWait, group_thread, [&] { return ld_acquire_sys(flag) >= epoch; });
         }
-        named_barrier(kBarrierDispatch, kNumDispatchThreads);
+        named_barrier(group_barrier, group_threads);
         if (sm.ctrl->abort) return;
-        if (dispatch_thread == 0) trace(kTraceCombineReady, true);
+        if (thread == 0) trace(kTraceCombineReady, true);
 
         const int hidden = lay.hidden, topk = lay.num_topk, n_max = lay.num_max_tokens_per_rank;
         const int first = c * kCombineTokensPerTask, last = min_of(p.num_tokens, first + kCombineTokensPerTask);
@@ -352,18 +362,31 @@ struct Kernel {
         const auto* slots = mine<__nv_bfloat16>(lay.combine);
         auto* y = static_cast<__nv_bfloat16*>(p.y);
         const int chunks_per_token = hidden / 8;
-        for (int i = dispatch_thread; i < (last - first) * chunks_per_token; i += kNumDispatchThreads) {
+        for (int i = thread; i < (last - first) * chunks_per_token; i += kNumCombineThreads) {
             const int t = first + i / chunks_per_token, col = (i % chunks_per_token) * 8;
             float sum[8] = {};
-            for (int k = 0; k < topk; ++k) {
-                const int64_t e = topk_idx[static_cast<int64_t>(t) * topk + k];
-                if (e < 0 or e >= lay.num_experts) continue;
-                const int4 v = __ldcg(reinterpret_cast<const int4*>(slots + (static_cast<int64_t>(k) * n_max + t) * hidden + col));
-                const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+            // Top-k slots in groups of kSlotsInFlight: every load of a group is issued before the
+            // first add (a dependent chain of L2 round trips cost ~6x here)
+            for (int k0 = 0; k0 < topk; k0 += kSlotsInFlight) {
+                int4 v[kSlotsInFlight];
+                bool valid[kSlotsInFlight];
                 #pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const float2 f = __bfloat1622float2(h[j]);
-                    sum[2 * j] += f.x, sum[2 * j + 1] += f.y;
+                for (int dk = 0; dk < kSlotsInFlight; ++dk) {
+                    const int k = k0 + dk;
+                    const int64_t e = k < topk ? topk_idx[static_cast<int64_t>(t) * topk + k] : -1;
+                    valid[dk] = e >= 0 and e < lay.num_experts;
+                    if (valid[dk])
+                        v[dk] = __ldcg(reinterpret_cast<const int4*>(slots + (static_cast<int64_t>(k) * n_max + t) * hidden + col));
+                }
+                #pragma unroll
+                for (int dk = 0; dk < kSlotsInFlight; ++dk) {
+                    if (not valid[dk]) continue;    // fixed order: k ascending
+                    const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v[dk]);
+                    #pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        const float2 f = __bfloat1622float2(h[j]);
+                        sum[2 * j] += f.x, sum[2 * j + 1] += f.y;
+                    }
                 }
             }
             int4 out;
@@ -372,7 +395,7 @@ struct Kernel {
             for (int j = 0; j < 4; ++j) o[j] = __floats2bfloat162_rn(sum[2 * j], sum[2 * j + 1]);
             *reinterpret_cast<int4*>(y + static_cast<int64_t>(t) * hidden + col) = out;
         }
-        if (dispatch_thread == 0) trace(kTraceCombineEnd);
+        if (thread == 0) trace(kTraceCombineEnd);
     }
 
     // ------------------------------------------------------------------------------------------
@@ -454,7 +477,8 @@ struct Kernel {
             mbarrier_arrive(sm.ring_empty + slot);
             if (t >= total or sm.ctrl->abort) break;
             if (t < tasks.pull_end()) pull(t, dispatch_thread);
-            else if (t >= tasks.l2_end()) combine(t - tasks.l2_end(), dispatch_thread);
+            else if (t >= tasks.l2_end())
+                combine<kNumMathWGs == 1 ? 8 : 2>(t - tasks.l2_end(), dispatch_thread, dispatch_thread, kNumDispatchThreads, kBarrierDispatch);
         }
     }
 
@@ -487,10 +511,21 @@ struct Kernel {
             const int sf_cols = lay.hidden / 128;
             const float* b_sf_gate = p.l1_weight_scales + (static_cast<int64_t>(le) * (2 * lay.intermediate_hidden / 128) + 2 * j) * sf_cols;
             const float* b_sf_up = b_sf_gate + sf_cols;
+            // A scales (pool, written by other CTAs this launch) are loaded one K-block ahead, after
+            // the full barrier has ordered us behind the producer's acquire of this M-block
+            float sa0 = 0.0f, sa1 = 0.0f, next_sa0 = 0.0f, next_sa1 = 0.0f;
             for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
                 const float sg = __ldg(b_sf_gate + kb), su = __ldg(b_sf_up + kb);
-                float sa0 = 0.0f, sa1 = 0.0f;
                 if (not wait_full(stage_iter)) return false;
+                if (kb == 0) {
+                    next_sa0 = __ldcg(a_sf + g0);
+                    next_sa1 = __ldcg(a_sf + g1);
+                }
+                sa0 = next_sa0, sa1 = next_sa1;
+                if (kb + 1 < num_kb) {
+                    next_sa0 = __ldcg(a_sf + (kb + 1) * static_cast<int64_t>(lay.num_pool_rows) + g0);
+                    next_sa1 = __ldcg(a_sf + (kb + 1) * static_cast<int64_t>(lay.num_pool_rows) + g1);
+                }
                 const int s = stage_iter % kNumStages;
                 const uint64_t da = mma::make_k_major_sw128_desc(sm.stage_a(s) + mt.wg * 64 * 128);
                 const uint64_t dg = mma::make_k_major_sw128_desc(sm.stage_b(s));
@@ -504,13 +539,6 @@ struct Kernel {
                         mma::FP8MmaN128::fma(mma::advance_desc(da, ks * mma::kWgmmaKBytes),
                                              mma::advance_desc(half == 0 ? dg : du, ks * mma::kWgmmaKBytes), part, ks > 0);
                     mma::warpgroup_commit();
-                    if (half == 0) {
-                        // Pool scales were written by other CTAs in this launch (the full barrier
-                        // orders us after the producer's acquire): L2-coherent loads, overlapped
-                        // with the MMAs just issued
-                        sa0 = __ldcg(a_sf + kb * static_cast<int64_t>(lay.num_pool_rows) + g0);
-                        sa1 = __ldcg(a_sf + kb * static_cast<int64_t>(lay.num_pool_rows) + g1);
-                    }
                     mma::warpgroup_wait<0>();
                     mma::fence_operands(part);
                     if (half == 1) release_stage(stage_iter, mt);
@@ -550,9 +578,19 @@ struct Kernel {
             const float* a_sf = mine<float>(lay.l2_sf);
             const int64_t g0 = static_cast<int64_t>(m) * BLOCK_M + mt.row_in_tile(0), g1 = g0 + 8;
             const float* b_sf = p.l2_weight_scales + (static_cast<int64_t>(le) * (lay.hidden / 128) + j) * (lay.intermediate_hidden / 128);
+            float next_sa0 = 0.0f, next_sa1 = 0.0f;   // one K-block ahead, as in L1
             for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
                 const float sb = __ldg(b_sf + kb);
                 if (not wait_full(stage_iter)) return false;
+                if (kb == 0) {
+                    next_sa0 = __ldcg(a_sf + g0);
+                    next_sa1 = __ldcg(a_sf + g1);
+                }
+                const float s0 = next_sa0 * sb, s1 = next_sa1 * sb;
+                if (kb + 1 < num_kb) {
+                    next_sa0 = __ldcg(a_sf + (kb + 1) * static_cast<int64_t>(lay.num_pool_rows) + g0);
+                    next_sa1 = __ldcg(a_sf + (kb + 1) * static_cast<int64_t>(lay.num_pool_rows) + g1);
+                }
                 const int s = stage_iter % kNumStages;
                 const uint64_t da = mma::make_k_major_sw128_desc(sm.stage_a(s) + mt.wg * 64 * 128);
                 const uint64_t db = mma::make_k_major_sw128_desc(sm.stage_b(s));
@@ -562,8 +600,6 @@ struct Kernel {
                 for (int ks = 0; ks < kKStepsPerStage; ++ks)
                     mma::FP8MmaN128::fma(mma::advance_desc(da, ks * mma::kWgmmaKBytes), mma::advance_desc(db, ks * mma::kWgmmaKBytes), part, ks > 0);
                 mma::warpgroup_commit();
-                const float s0 = __ldcg(a_sf + kb * static_cast<int64_t>(lay.num_pool_rows) + g0) * sb;
-                const float s1 = __ldcg(a_sf + kb * static_cast<int64_t>(lay.num_pool_rows) + g1) * sb;
                 mma::warpgroup_wait<0>();
                 mma::fence_operands(part);
                 release_stage(stage_iter, mt);
@@ -725,6 +761,8 @@ struct Kernel {
                 if (not l2_mainloop(m, expert_of_mblock(m), j, stage_iter, mt, acc)) break;
                 l2_epilogue(m, j, mt, acc);
                 if (mt.tid == 0) trace(kTraceL2End);
+            } else if (t >= tasks.l2_end()) {
+                combine<4>(t - tasks.l2_end(), kNumDispatchThreads + 128 * mt.wg + mt.tid, mt.tid, 128, kBarrierMathBase + mt.wg);
             }
         }
     }
@@ -787,7 +825,7 @@ struct Kernel {
             __syncthreads();
 
             if (warp < 4) {
-                setmaxnreg_dec<kProducerRegisters>();
+                setmaxnreg_dec<kProducerRegisters<kNumMathWGs>>();
                 if (warp == 0) {
                     if (elect_one()) scheduler(tm_l1_act, tm_l1_w, tm_l2_act, tm_l2_w);
                     __syncwarp();
@@ -795,7 +833,7 @@ struct Kernel {
                     dispatch_worker();
                 }
             } else {
-                setmaxnreg_inc<kMathRegisters>();
+                setmaxnreg_inc<kMathRegisters<kNumMathWGs>>();
                 math(warp / 4 - 1);
             }
         }
