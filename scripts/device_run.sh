@@ -28,6 +28,16 @@ start=$(date +%s)
 python3 -m pytest -q -x -p no:cacheprovider --timeout=300 "${@:-tests}" 2>&1 | tee "$OUT/tests.log" | tail -40
 status=${PIPESTATUS[0]}
 echo "tests took $(( $(date +%s) - start )) s, exit $status"
+if [ "${DG_RUN_SANITIZER:-0}" = "1" ]; then
+    # memcheck: a normal call and one with out-of-range expert ids; racecheck: shared memory races
+    for args in "" "--bad-ids" "--ranks 2"; do
+        timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/one_launch.py $args \
+            > "$OUT/memcheck$(echo $args | tr -d ' -').log" 2>&1
+        echo "memcheck [$args]: exit $? $(grep -E 'ERROR SUMMARY|calc_diff' "$OUT/memcheck$(echo $args | tr -d ' -').log" | tr '\n' ' ')"
+    done
+    timeout 300 compute-sanitizer --tool racecheck --error-exitcode 9 python3 scripts/one_launch.py --sms 2 > "$OUT/racecheck.log" 2>&1
+    echo "racecheck: exit $? $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY|calc_diff' "$OUT/racecheck.log" | tr '\n' ' ')"
+fi
 if [ "${DG_RUN_BENCH:-0}" = "1" ]; then
     python3 -m deep_gemm.bench --quick --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench.log" | tail -40
 fi

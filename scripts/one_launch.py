@@ -1,14 +1,48 @@
-"""One small fp8 Mega MoE launch, for debuggers (cuda-gdb, compute-sanitizer)."""
+"""One small Mega MoE launch, for debuggers and sanitizers (cuda-gdb, compute-sanitizer).
+
+    python scripts/one_launch.py [--bad-ids] [--sms N] [--ranks R] [--format fp8xfp8|bf16xbf16]
+
+--bad-ids puts out-of-range expert ids (too large, -2) into the routing: the kernel must flag them
+and never use them as an index (run under `compute-sanitizer --tool memcheck`).
+"""
+import argparse
+
 import torch
 
 import deep_gemm
 from deep_gemm.testing import calc_diff
 from deep_gemm.testing import moe_case as mc
 
-fmt, (h, i, e, k), ns = 'fp8xfp8', (512, 256, 16, 4), [64]
-w = mc.make_weights(fmt, h, i, e, len(ns), seed=0)
-bufs = mc.make_buffers(fmt, len(ns), e, max(ns), k, h, i)
+parser = argparse.ArgumentParser()
+parser.add_argument('--bad-ids', action='store_true')
+parser.add_argument('--sms', type=int, default=8, help='CTAs per rank (sanitizers are slow)')
+parser.add_argument('--ranks', type=int, default=1)
+parser.add_argument('--format', default='fp8xfp8')
+args = parser.parse_args()
+
+fmt, (h, i, e, k) = args.format, (512, 256, 16, 4)
+ns = [48] * args.ranks
+w = mc.make_weights(fmt, h, i, e, args.ranks, seed=0)
+bufs = mc.make_buffers(fmt, args.ranks, e, max(ns), k, h, i)
+for b in bufs:
+    b.num_sms = args.sms
 inputs = mc.make_inputs(fmt, ns, h, e, k, seed=1)
-print('launching', flush=True)
+expected = inputs
+if args.bad_ids:
+    bad = [mc.RankInputs(x.x, x.x_q, x.x_sf, x.topk_idx.clone(), x.topk_weights) for x in inputs]
+    masked = [mc.RankInputs(x.x, x.x_q, x.x_sf, x.topk_idx.clone(), x.topk_weights) for x in inputs]
+    for b_in, m_in in zip(bad, masked):
+        b_in.topk_idx[3, 1], b_in.topk_idx[7, 2] = 1 << 20, -2
+        m_in.topk_idx[3, 1], m_in.topk_idx[7, 2] = -1, -1
+    inputs, expected = bad, masked
 ys = mc.run_ranks(w, inputs, bufs)
-print('diff', calc_diff(ys[0].float(), mc.reference(w, inputs[0])), flush=True)
+worst = max(calc_diff(y.float(), mc.reference(w, x)) for y, x in zip(ys, expected))
+try:
+    for b in bufs:
+        b.check()
+    status = 'no error recorded'
+except deep_gemm.MegaMoEError as err:
+    status = f'recorded: {err}'
+print(f'{fmt} ranks={args.ranks} bad_ids={args.bad_ids}: worst calc_diff {worst:.3e}; {status}', flush=True)
+ok = worst < 3e-4 and (('expert id' in status) if args.bad_ids else status == 'no error recorded')
+raise SystemExit(0 if ok else 1)

@@ -201,8 +201,19 @@ def test_symm_buffer_repr_and_pending_methods():
     assert (info.value.code, info.value.phase, info.value.rank, info.value.cta) == (1, 5, 3, 17) and info.value.fatal
     buf.reset()
     buf.check()
-    with pytest.raises(NotImplementedError, match='issue'):
-        buf.stage(torch.zeros(1, 256), torch.zeros(1, 2, dtype=torch.int64), torch.zeros(1, 2))
+    # stage(): arguments are validated first (naming the argument), then it needs a GPU
+    x = torch.randn(3, 256).bfloat16()
+    idx, w = torch.randint(0, 8, (3, 2)), torch.rand(3, 2)
+    with pytest.raises(ValueError, match='x: expected a bfloat16'):
+        buf.stage(x.float(), idx, w)
+    with pytest.raises(ValueError, match='exceeds num_max_tokens_per_rank'):
+        buf.stage(torch.randn(17, 256).bfloat16(), torch.randint(0, 8, (17, 2)), torch.rand(17, 2))
+    with pytest.raises(ValueError, match='topk_idx'):
+        buf.stage(x, idx.int(), w)
+    with pytest.raises(ValueError, match='topk_weights'):
+        buf.stage(x, idx, w[:, :1])
+    with pytest.raises(RuntimeError, match='SM90'):
+        buf.stage(x, idx, w)
 
 
 def test_symm_buffer_rejects_bad_mma_type_before_allocating():

@@ -39,6 +39,25 @@ inline void register_apis(py::module_& m) {
           "Launch one rank's Mega MoE kernel (addresses as ints; validated by deep_gemm.mega.api). "
           "Returns the config string.");
 
+    m.def("launch_mega_moe_stage",
+          [](int mma_type, int num_ranks, int num_experts, int num_max_tokens_per_rank, int num_topk, int hidden,
+             int intermediate_hidden, int64_t buffer, int64_t x, int64_t x_row_stride, int64_t topk_idx,
+             int64_t topk_weights, int num_tokens, int num_sms, int64_t stream) {
+              const layout::MegaMoELayout lay(num_ranks, num_experts, num_max_tokens_per_rank, num_topk, hidden,
+                                              intermediate_hidden, static_cast<MmaType>(mma_type));
+              jit_kernels::launch_mega_moe_stage(static_cast<MmaType>(mma_type), lay, buffer, x, x_row_stride, topk_idx,
+                                                 topk_weights, num_tokens, num_sms, stream);
+          },
+          py::arg("mma_type"), py::arg("num_ranks"), py::arg("num_experts"), py::arg("num_max_tokens_per_rank"),
+          py::arg("num_topk"), py::arg("hidden"), py::arg("intermediate_hidden"), py::arg("buffer"), py::arg("x"),
+          py::arg("x_row_stride"), py::arg("topk_idx"), py::arg("topk_weights"), py::arg("num_tokens"),
+          py::arg("num_sms"), py::arg("stream"),
+          "Launch the input-staging kernel of SymmBuffer.stage (validated in Python).");
+
+    m.def("compile_mega_moe_stage",
+          [](bool fp8) { return jit_kernels::compile_mega_moe_stage(fp8).string(); },
+          py::arg("fp8"), "Compile (or fetch from the cache) the staging kernel; works without a GPU.");
+
     m.def("compile_mega_moe",
           [](int mma_type, int block_m, int num_stages, bool fast_math) {
               return jit_kernels::SM90MegaMoEVariant{static_cast<MmaType>(mma_type), block_m, num_stages, fast_math}

@@ -144,8 +144,47 @@ class SymmBuffer:
         status.raise_if_failed(self, sync=True)
 
     def stage(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> None:
-        """Quantize BF16 x [n, hidden] into the buffer and copy the routing, in one launch."""
-        raise NotImplementedError('SymmBuffer.stage lands with issue 3/5 (fused input staging)')
+        """Fill this rank's inputs in one launch on the current stream (no sync, graph-capturable).
+
+        Args:
+            x: bfloat16 [n, hidden] (rows may be strided; channels contiguous). FP8 buffers get
+                E4M3 + FP32 scales per token per 128 (`deep_gemm.utils.per_token_cast_to_fp8`, bit
+                for bit); BF16 buffers get a copy.
+            topk_idx: int64 [n, num_topk], -1 = masked slot (ids are checked by the kernel, §6).
+            topk_weights: float32 [n, num_topk].
+        """
+        n = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else -1
+        checks = [
+            (isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16 and x.dim() == 2,
+             f'x: expected a bfloat16 [n, {self.hidden}] tensor'),
+            (n <= self.num_max_tokens_per_rank,
+             f'x: n = {n} exceeds num_max_tokens_per_rank = {self.num_max_tokens_per_rank}'),
+            (isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[1] == self.hidden and
+             (n <= 1 or x.stride(1) == 1) and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0,
+             f'x: expected shape [n, {self.hidden}] with contiguous channels, 16-byte aligned rows'),
+            (isinstance(topk_idx, torch.Tensor) and topk_idx.dtype == torch.int64 and
+             tuple(topk_idx.shape) == (n, self.num_topk) and topk_idx.is_contiguous(),
+             f'topk_idx: expected a contiguous int64 [{n}, {self.num_topk}] tensor'),
+            (isinstance(topk_weights, torch.Tensor) and topk_weights.dtype == torch.float32 and
+             tuple(topk_weights.shape) == (n, self.num_topk) and topk_weights.is_contiguous(),
+             f'topk_weights: expected a contiguous float32 [{n}, {self.num_topk}] tensor'),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(f'SymmBuffer.stage: {message}')
+        for name, t in (('x', x), ('topk_idx', topk_idx), ('topk_weights', topk_weights)):
+            if t.device != self.device:
+                raise ValueError(f'SymmBuffer.stage: {name} is on {t.device}, expected the buffer\'s {self.device}')
+        if self.device.type != 'cuda':
+            raise RuntimeError('SymmBuffer.stage needs an SM90 (Hopper) GPU; this buffer is on '
+                               f'{self.device} (copy into buf.x / x_sf / topk_idx / topk_weights instead)')
+        _C.launch_mega_moe_stage(
+            mma_type=mma_type_to_int(self.mma_type), num_ranks=self.num_ranks, num_experts=self.num_experts,
+            num_max_tokens_per_rank=self.num_max_tokens_per_rank, num_topk=self.num_topk, hidden=self.hidden,
+            intermediate_hidden=self.intermediate_hidden, buffer=self.buffer.data_ptr(), x=x.data_ptr(),
+            x_row_stride=x.stride(0) if n > 0 else self.hidden, topk_idx=topk_idx.data_ptr(),
+            topk_weights=topk_weights.data_ptr(), num_tokens=n, num_sms=_C.get_num_sms(),
+            stream=torch.cuda.current_stream(self.device).cuda_stream)
 
     def __repr__(self) -> str:
         gib = self.num_bytes / 2 ** 30

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include <deep_gemm/impls/mega_moe_params.cuh>
+#include <algorithm>
 
 #include "../../jit/compiler.hpp"
 #include "../../jit/kernel_runtime.hpp"
@@ -133,6 +134,40 @@ inline MegaMoEConfig launch_sm90_mega_moe(const SM90MegaMoEArgs& a) {
     launch_config.stream = reinterpret_cast<CUstream>(a.stream);
     jit::launch(kernel, launch_config, args);
     return config;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Input staging (`SymmBuffer.stage`): a small kernel of its own, one variant per activation type
+// Compiled once per process and activation type (FP8 quantizes, BF16 copies)
+inline std::filesystem::path compile_mega_moe_stage(bool fp8) {
+    static std::mutex mutex;
+    static std::filesystem::path compiled[2];
+    std::lock_guard<std::mutex> lock(mutex);
+    if (compiled[fp8].empty()) {
+        std::ostringstream os;
+        os << "#include <deep_gemm/impls/mega_moe_stage.cuh>\n\n"
+           << "DG_DEFINE_MEGA_MOE_STAGE_KERNEL(mega_moe_stage, " << (fp8 ? "true" : "false") << ")\n";
+        compiled[fp8] = jit::compile(fp8 ? "mega_moe_stage_fp8" : "mega_moe_stage_bf16", os.str());
+    }
+    return compiled[fp8];
+}
+
+inline void launch_mega_moe_stage(MmaType mma_type, const layout::MegaMoELayout& lay, int64_t buffer, int64_t x,
+                                  int64_t x_row_stride, int64_t topk_idx, int64_t topk_weights, int num_tokens,
+                                  int num_sms, int64_t stream) {
+    const std::filesystem::path cubin = compile_mega_moe_stage(is_fp8_activation(mma_type));
+    if (num_tokens == 0)
+        return;
+    auto& kernel = jit::get_kernel(cubin, "mega_moe_stage");
+    MegaMoEStageParams params{lay, reinterpret_cast<void*>(buffer), reinterpret_cast<const void*>(x), x_row_stride,
+                              reinterpret_cast<const int64_t*>(topk_idx), reinterpret_cast<const float*>(topk_weights),
+                              num_tokens};
+    void* args[] = {&params};
+    jit::LaunchConfig config;
+    config.grid = {static_cast<uint32_t>(std::min(num_tokens, 4 * num_sms)), 1, 1};
+    config.block = {256, 1, 1};
+    config.stream = reinterpret_cast<CUstream>(stream);
+    jit::launch(kernel, config, args);
 }
 
 }  // namespace deep_gemm::jit_kernels

@@ -66,4 +66,15 @@ struct MegaMoEParams {
     uint64_t* trace;                    // [grid][kTraceSlots] %globaltimer stamps (scripts/trace.py), or nullptr
 };
 
+// `SymmBuffer.stage(x, topk_idx, topk_weights)`: one launch that fills a rank's inputs
+struct MegaMoEStageParams {
+    layout::MegaMoELayout layout;
+    void* buffer;                       // this rank's buffer base
+    const void* x;                      // BF16 [n, hidden], rows `x_row_stride` elements apart
+    int64_t x_row_stride;
+    const int64_t* topk_idx;            // [n, topk] contiguous
+    const float* topk_weights;          // [n, topk] contiguous
+    int num_tokens;
+};
+
 }  // namespace deep_gemm

@@ -1,0 +1,165 @@
+"""Never hang, never corrupt (DESIGN.md §6): timeouts, bad routing data, busy SMs, long runs.
+
+GPU only (skipped without an SM90 GPU). Tolerances as in test_mega_moe_gpu.py.
+"""
+import time
+
+import pytest
+import torch
+
+import deep_gemm
+from deep_gemm import _C
+from deep_gemm.testing import calc_diff
+from deep_gemm.testing import moe_case as mc
+
+from conftest import record_diff
+
+sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+pytestmark = pytest.mark.skipif(not sm90, reason='needs an SM90 (Hopper) GPU')
+
+TOL = {'fp8xfp8': 3e-4, 'bf16xbf16': 2e-6}
+SMALL = (512, 256, 16, 4)
+
+
+def assert_correct(w, inputs, ys, mma_type):
+    for y, inp in zip(ys, inputs):
+        if inp.x_q.shape[0]:
+            assert not torch.isnan(y).any()
+            d = calc_diff(y.float(), mc.reference(w, inp))
+            record_diff(mma_type, d)
+            assert d < TOL[mma_type], d
+
+
+@pytest.fixture
+def short_timeout():
+    old = deep_gemm.get_timeout()
+    deep_gemm.set_timeout(1.0)
+    yield 1.0
+    deep_gemm.set_timeout(old)
+
+
+@pytest.mark.parametrize('mma_type', ['fp8xfp8', 'bf16xbf16'])
+def test_stalled_peer_times_out_and_reset_recovers(mma_type, short_timeout):
+    hidden, inter, experts, topk = SMALL
+    w = mc.make_weights(mma_type, hidden, inter, experts, 2, seed=0)
+    bufs = mc.make_buffers(mma_type, 2, experts, 64, topk, hidden, inter)
+    inp = mc.make_inputs(mma_type, [64], hidden, experts, topk, seed=1)[0]
+    fn = deep_gemm.fp8_mega_moe if mma_type == 'fp8xfp8' else deep_gemm.bf16_mega_moe
+    bufs[0].stage(inp.x, inp.topk_idx, inp.topk_weights)
+    y = torch.empty(64, hidden, dtype=torch.bfloat16, device='cuda')
+    torch.cuda.synchronize()
+    start = time.time()
+    fn(y, *w.per_rank[0], bufs[0])          # rank 1 is never launched
+    torch.cuda.synchronize()                 # the kernel gives up instead of hanging
+    elapsed = time.time() - start
+    assert elapsed < short_timeout + 1.0, f'took {elapsed:.2f} s'
+    with pytest.raises(deep_gemm.MegaMoEError, match='timeout.*rank 1') as info:
+        bufs[0].check()
+    assert info.value.code == 1 and info.value.rank == 1 and info.value.fatal
+    # The error is also raised by the next call on the buffer, before anything is launched
+    with pytest.raises(deep_gemm.MegaMoEError):
+        fn(y, *w.per_rank[0], bufs[0])
+    for b in bufs:
+        b.reset()
+    inputs = mc.make_inputs(mma_type, [64, 33], hidden, experts, topk, seed=2)
+    assert_correct(w, inputs, mc.run_ranks(w, inputs, bufs), mma_type)
+
+
+@pytest.mark.parametrize('mma_type', ['fp8xfp8', 'bf16xbf16'])
+@pytest.mark.parametrize('bad_id', [10_000, 16, -2, -(1 << 40)])
+def test_bad_expert_ids_are_flagged_never_used(mma_type, bad_id):
+    hidden, inter, experts, topk = SMALL
+    w = mc.make_weights(mma_type, hidden, inter, experts, 1, seed=0)
+    (buf,) = mc.make_buffers(mma_type, 1, experts, 128, topk, hidden, inter)
+    inp = mc.make_inputs(mma_type, [128], hidden, experts, topk, seed=3)[0]
+    bad = inp.topk_idx.clone()
+    bad[5, 1] = bad_id
+    bad[77, 3] = bad_id
+    staged = mc.RankInputs(inp.x, inp.x_q, inp.x_sf, bad, inp.topk_weights)
+    (y,) = mc.run_ranks(w, [staged], [buf])
+    with pytest.raises(deep_gemm.MegaMoEError, match='expert id') as info:
+        buf.check()
+    assert info.value.code == 2 and not info.value.fatal
+    # The bad slots were skipped (treated as masked), every other slot computed normally
+    masked = inp.topk_idx.clone()
+    masked[5, 1] = -1
+    masked[77, 3] = -1
+    assert_correct(w, [mc.RankInputs(inp.x, inp.x_q, inp.x_sf, masked, inp.topk_weights)], [y], mma_type)
+    with pytest.raises(deep_gemm.MegaMoEError):      # reported again by the next call
+        mc.run_ranks(w, [inp], [buf])
+    buf.reset()
+    assert_correct(w, [inp], mc.run_ranks(w, [inp], [buf]), mma_type)
+
+
+SPIN_SOURCE = r'''
+extern "C" __global__ void spin(unsigned long long duration_ns) {
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now)); } while (now - start < duration_ns);
+}
+'''
+
+
+def test_completes_while_another_stream_holds_half_the_sms():
+    mma_type = 'fp8xfp8'
+    hidden, inter, experts, topk = 2048, 768, 128, 8
+    w = mc.make_weights(mma_type, hidden, inter, experts, 1, seed=0)
+    (buf,) = mc.make_buffers(mma_type, 1, experts, 1024, topk, hidden, inter)
+    inp = mc.make_inputs(mma_type, [1024], hidden, experts, topk, seed=4)[0]
+    cubin = _C.compile('test_spin', SPIN_SOURCE)
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    other = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    # One CTA per SM on half the SMs (200 KB of shared memory each) for 300 ms
+    _C.launch_kernel(cubin, 'spin', [num_sms // 2, 1, 1], [32, 1, 1], 200 * 1024, other.cuda_stream,
+                     [300_000_000], False)
+    (y,) = mc.run_ranks(w, [inp], [buf])     # the MoE grid wants every SM
+    torch.cuda.synchronize()
+    assert_correct(w, [inp], [y], mma_type)
+    buf.check()
+
+
+@pytest.mark.parametrize('mma_type', ['fp8xfp8', 'bf16xbf16'])
+def test_stage_matches_host_quantization(mma_type):
+    hidden, inter, experts, topk = 2048, 768, 128, 8
+    w = mc.make_weights(mma_type, hidden, inter, experts, 1, seed=0)
+    (buf,) = mc.make_buffers(mma_type, 1, experts, 300, topk, hidden, inter)
+    inp = mc.make_inputs(mma_type, [300], hidden, experts, topk, seed=5, mask_frac=0.2)[0]
+    # Strided rows: stage reads a view of a wider tensor
+    wide = torch.randn(300, hidden + 64, device='cuda').bfloat16()
+    wide[:, :hidden] = inp.x
+    buf.x.fill_(float('nan')) if mma_type == 'bf16xbf16' else buf.x.view(torch.uint8).fill_(0x7F)
+    buf.stage(wide[:, :hidden], inp.topk_idx, inp.topk_weights)
+    torch.cuda.synchronize()
+    n = 300
+    if mma_type == 'fp8xfp8':
+        assert torch.equal(buf.x[:n].view(torch.uint8), inp.x_q.view(torch.uint8))
+        assert torch.equal(buf.x_sf[:n], inp.x_sf)
+    else:
+        assert torch.equal(buf.x[:n].view(torch.int16), inp.x.view(torch.int16))
+    assert torch.equal(buf.topk_idx[:n], inp.topk_idx) and torch.equal(buf.topk_weights[:n], inp.topk_weights)
+    y = torch.full((n, hidden), float('nan'), dtype=torch.bfloat16, device='cuda')
+    fn = deep_gemm.fp8_mega_moe if mma_type == 'fp8xfp8' else deep_gemm.bf16_mega_moe
+    fn(y, *w.per_rank[0], buf)
+    torch.cuda.synchronize()
+    assert_correct(w, [inp], [y], mma_type)
+
+
+@pytest.mark.parametrize('mma_type', ['fp8xfp8', 'bf16xbf16'])
+def test_ten_thousand_calls_random_n_routing_masks_and_ranks(mma_type):
+    hidden, inter, experts, topk = SMALL
+    groups = {r: (mc.make_weights(mma_type, hidden, inter, experts, r, seed=r),
+                  mc.make_buffers(mma_type, r, experts, 128, topk, hidden, inter),
+                  mc.VirtualRankStreams(r)) for r in (1, 2, 4)}
+    g = torch.Generator().manual_seed(1)
+    for call in range(10_000):
+        ranks = (1, 2, 4)[call % 3]
+        w, bufs, streams = groups[ranks]
+        ns = torch.randint(0, 129, (ranks,), generator=g).tolist()
+        inputs = mc.make_inputs(mma_type, ns, hidden, experts, topk, seed=call, mask_frac=float(call % 4) * 0.15)
+        ys = mc.run_ranks(w, inputs, bufs, streams=streams)
+        if call % 500 == 0 or call >= 9_997:
+            assert_correct(w, inputs, ys, mma_type)
+    for w, bufs, _ in groups.values():
+        for b in bufs:
+            b.check()
