@@ -36,3 +36,5 @@ if __name__ == '__main__':
         t = time.time()
         path = _C.compile_mega_moe(*key)
         print(f'{key}: {time.time() - t:.1f} s -> {path}')
+    for fp8 in (True, False):
+        print(f'stage fp8={fp8}: {_C.compile_mega_moe_stage(fp8)}')

@@ -163,3 +163,28 @@ def test_ten_thousand_calls_random_n_routing_masks_and_ranks(mma_type):
     for w, bufs, _ in groups.values():
         for b in bufs:
             b.check()
+
+
+def test_corrupted_receive_count_is_an_error_not_a_wild_write(short_timeout):
+    # Rank 1 is never launched; instead its "published" count for a local expert of rank 0 is
+    # forged: tagged with the right epoch but larger than any rank can send.
+    mma_type = 'fp8xfp8'
+    hidden, inter, experts, topk = SMALL
+    w = mc.make_weights(mma_type, hidden, inter, experts, 2, seed=0)
+    bufs = mc.make_buffers(mma_type, 2, experts, 64, topk, hidden, inter)
+    recv = bufs[0].workspace[bufs[0].layout['recv_count'][0]:].view(torch.int64)
+    forged = (1 << 32) | (1 << 20)            # epoch 1 (the first call), count 2^20 > 64
+    for local_expert in range(experts // 2):
+        recv[local_expert * 2 + 1] = forged   # [local expert][source rank 1]
+    inp = mc.make_inputs(mma_type, [64], hidden, experts, topk, seed=1)[0]
+    bufs[0].stage(inp.x, inp.topk_idx, inp.topk_weights)
+    y = torch.empty(64, hidden, dtype=torch.bfloat16, device='cuda')
+    deep_gemm.fp8_mega_moe(y, *w.per_rank[0], bufs[0])
+    torch.cuda.synchronize()
+    with pytest.raises(deep_gemm.MegaMoEError, match='corrupted receive count') as info:
+        bufs[0].check()
+    assert info.value.code == 3 and info.value.fatal
+    for b in bufs:
+        b.reset()
+    inputs = mc.make_inputs(mma_type, [64, 9], hidden, experts, topk, seed=2)
+    assert_correct(w, inputs, mc.run_ranks(w, inputs, bufs), mma_type)
