@@ -5,7 +5,8 @@ before each), TFLOPS, HBM GB/s, % of roofline, the baseline's us and the speedup
 
     python -m deep_gemm.bench                          # every shape x format x token count
     python -m deep_gemm.bench --quick --json b.json --plot b.png
-    python -m deep_gemm.bench --shapes mid --formats bf16xbf16 --tokens 1 128 --ep 4
+    python -m deep_gemm.bench --shapes mid --formats bf16xbf16 --tokens 1 128 --ep 4 --virtual
+    python -m deep_gemm.bench --ep 8                    # 8 GPUs, one process each (v4-flash, 1..4096 tokens)
 
 Definitions (all ranks' tokens together; `deep_gemm.testing.bench_utils` has the formulas):
     routed pairs   non-masked (token, slot) entries of topk_idx
@@ -17,9 +18,14 @@ Definitions (all ranks' tokens together; `deep_gemm.testing.bench_utils` has the
                    weighted scatter-add, on the same quantized weights (dequantized to BF16 where
                    torch has no FP8 block-scaled grouped GEMM), in a CUDA graph
 
---ep N > 1 runs N virtual ranks on one GPU (one launch per rank on its own stream, 1/N of the SMs
-each), not N GPUs: it times the EP protocol, not NVLink. Without an SM90 GPU the float32 torch
-reference runs on the CPU instead, so the command works (and says so) on any machine.
+--ep N > 1 with N GPUs visible runs N processes, one per GPU, over NVLink (symmetric memory), and
+reports per rank also NVLink GB/s, against an all_to_all + grouped GEMM baseline
+(`deep_gemm.testing.ep_bench` defines the columns); default shape v4-flash at 1 8 128 512 4096
+tokens per rank. It also runs under `torchrun --nproc-per-node N -m deep_gemm.bench --ep N`.
+--ep N --virtual (or --ep N with fewer than N GPUs, which says so) runs N virtual ranks on one GPU
+(one launch per rank on its own stream, 1/N of the SMs each): it times the EP protocol, not NVLink.
+Without an SM90 GPU the float32 torch reference runs on the CPU instead, so the command works (and
+says so) on any machine.
 """
 from __future__ import annotations
 
@@ -37,6 +43,8 @@ import torch
 
 from .testing.bench_utils import (MMA_TYPES, PEAK_FLOPS, HBM_BYTES_PER_S, L2Flusher, MoEShape, TorchMoEBaseline,
                                   routing_counts, row_metrics, time_callable)
+from .testing import ep_bench
+from .testing.ep_bench import EP_SHAPES, EP_TOKENS
 
 SHAPES: Dict[str, MoEShape] = {
     'deepseek-v3': MoEShape('deepseek-v3', 7168, 2048, 256, 8),
@@ -92,14 +100,20 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help=f'short sweep: {" ".join(QUICK_SHAPES)}, tokens {" ".join(map(str, QUICK_TOKENS))}, '
                              f'{" ".join(QUICK_FORMATS)}, {QUICK_REPS} replays')
     parser.add_argument('--ep', type=_positive_int, default=1,
-                        help='expert-parallel ranks; > 1 = virtual ranks on one GPU (default 1)')
+                        help='expert-parallel ranks (default 1); > 1: one process per GPU when N GPUs are '
+                             'visible (default shapes ' + ' '.join(EP_SHAPES) + ', tokens ' +
+                             ' '.join(map(str, EP_TOKENS)) + '), else virtual ranks on one GPU')
+    parser.add_argument('--virtual', action='store_true',
+                        help='with --ep N: N virtual ranks on one GPU even when N GPUs are visible')
     parser.add_argument('--reps', type=_positive_int, help=f'timed replays per row (default {DEFAULT_REPS})')
     parser.add_argument('--json', metavar='PATH', help='write every row and the run\'s metadata as JSON')
     parser.add_argument('--plot', metavar='PATH', help='write a PNG: latency and %% of roofline vs tokens')
     args = parser.parse_args(argv)
     quick = args.quick
-    args.shapes = list(args.shapes or (QUICK_SHAPES if quick else SHAPES))
-    args.tokens = list(args.tokens or (QUICK_TOKENS if quick else DEFAULT_TOKENS))
+    # --ep N on real GPUs defaults to the EP sweep (decode and prefill of the V4-Flash shape)
+    real_ep = args.ep > 1 and not args.virtual and not quick
+    args.shapes = list(args.shapes or (QUICK_SHAPES if quick else EP_SHAPES if real_ep else SHAPES))
+    args.tokens = list(args.tokens or (QUICK_TOKENS if quick else EP_TOKENS if real_ep else DEFAULT_TOKENS))
     args.formats = list(args.formats or (QUICK_FORMATS if quick else MMA_TYPES))
     args.reps = args.reps or (QUICK_REPS if quick else DEFAULT_REPS)
     for name in args.shapes:
@@ -456,6 +470,8 @@ def plot_rows(rows: Sequence[Dict[str, object]], path: str, title: str = '') -> 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
+    if args.ep > 1:
+        ep_bench.select_torchrun_device()
     why_not = sm90_status()
     if why_not is not None:
         row = run_cpu_reference()
@@ -464,7 +480,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f'float32 torch reference, {CPU_SHAPE}, n = {CPU_TOKENS}: {row["baseline_us"]:.0f} us (CPU)')
         print(CPU_MESSAGE)
         rows, mode = [row], 'cpu-reference'
+    elif args.ep > 1 and not args.virtual and ep_bench.real_ep_available(args.ep):
+        # One process per GPU: rank 0 prints the tables and writes the JSON and plot
+        return ep_bench.run(args, argv)
     else:
+        if args.ep > 1 and not args.virtual:
+            print(f'# --ep {args.ep}: only {torch.cuda.device_count()} GPU(s) visible, fewer than {args.ep}: '
+                  f'falling back to {args.ep} virtual ranks on one GPU (--virtual asks for this mode)', flush=True)
         rows, mode = run_gpu(args), 'gpu'
         print()
         print(format_table(rows))

@@ -300,10 +300,8 @@ def test_plot(tmp_path):
     assert not bench.plot_rows(_fake_rows()[-1:], str(tmp_path / 'empty.png'))
 
 
-def test_fp4_rows_are_not_built_yet(monkeypatch):
-    # The real make_weights says so for fp8xfp4 (issue 4); the sweep turns it into rows, not a crash
-    with pytest.raises(NotImplementedError):
-        moe_case.make_weights('fp8xfp4', 256, 128, 8, 1, 0, device='cpu')
+def test_not_built_formats_become_rows(monkeypatch):
+    # A format whose kernel raises NotImplementedError becomes 'not built yet' rows, not a crash
 
     def not_yet(mma_type, *args, **kwargs):
         raise NotImplementedError(f'{mma_type}: test weights for this format land with its kernel (issue 4)')

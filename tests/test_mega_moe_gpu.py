@@ -3,7 +3,8 @@
 Every case: fresh random inputs, y poisoned with NaN before the call, every row compared with the
 reference that emulates the kernel's own quantization steps (`reference_moe_emulated`).
 
-Tolerance (calc_diff against the emulating reference): 3e-4 for FP8, 2e-6 for BF16. Both sides
+Tolerance (calc_diff against the emulating reference): 3e-4 for FP8 activations (fp8xfp8 and
+fp8xfp4, whose reference uses the exact weights the kernel expands E2M1 into), 2e-6 for BF16. Both sides
 quantize the same values with bit-identical formulas; what remains is accumulation. FP8 WGMMA adds
 the products of one 128-wide K chunk at reduced precision inside the tensor core (the reason for
 per-128 promotion; about 2^-13 relative), so a fraction p of the L1 outputs land on the other side
@@ -27,8 +28,9 @@ from conftest import record_diff
 sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 pytestmark = pytest.mark.skipif(not sm90, reason='needs an SM90 (Hopper) GPU')
 
-TOL = {'fp8xfp8': 3e-4, 'bf16xbf16': 2e-6}
-FORMATS = ['fp8xfp8', 'bf16xbf16']
+TOL = {'fp8xfp8': 3e-4, 'fp8xfp4': 3e-4, 'bf16xbf16': 2e-6}
+FORMATS = ['fp8xfp8', 'fp8xfp4', 'bf16xbf16']
+ENTRY = {'fp8xfp8': deep_gemm.fp8_mega_moe, 'fp8xfp4': deep_gemm.fp8_fp4_mega_moe, 'bf16xbf16': deep_gemm.bf16_mega_moe}
 _weights_cache = {}
 
 
@@ -41,10 +43,10 @@ def weights_for(mma_type, hidden, inter, experts, ranks, seed=0):
     return _weights_cache[key]
 
 
-def check_case(mma_type, hidden, inter, experts, topk, ns, seed, n_max=None, clamp=None, **routing):
+def check_case(mma_type, hidden, inter, experts, topk, ns, seed, n_max=None, clamp=None, weights=None, **routing):
     ranks = len(ns)
     n_max = n_max or max(max(ns), 1)
-    w = weights_for(mma_type, hidden, inter, experts, ranks)
+    w = weights or weights_for(mma_type, hidden, inter, experts, ranks)
     bufs = mc.make_buffers(mma_type, ranks, experts, n_max, topk, hidden, inter)
     inputs = mc.make_inputs(mma_type, ns, hidden, experts, topk, seed, **routing)
     ys = mc.run_ranks(w, inputs, bufs, activation_clamp=clamp)
@@ -143,7 +145,7 @@ def test_cuda_graph_replay(mma_type):
     hidden, inter, experts, topk = MID
     w = weights_for(mma_type, hidden, inter, experts, 1)
     (buf,) = mc.make_buffers(mma_type, 1, experts, 256, topk, hidden, inter)
-    fn = deep_gemm.fp8_mega_moe if mma_type == 'fp8xfp8' else deep_gemm.bf16_mega_moe
+    fn = ENTRY[mma_type]
     n = 200
     first = mc.make_inputs(mma_type, [n], hidden, experts, topk, seed=1)[0]
     y = torch.empty(n, hidden, dtype=torch.bfloat16, device='cuda')
@@ -167,3 +169,15 @@ def test_cuda_graph_replay(mma_type):
         eager = mc.run_ranks(w, [inp], [buf])[0]
         assert torch.equal(y.view(torch.int16), eager.view(torch.int16))
         assert calc_diff(y.float(), mc.reference(w, inp)) < TOL[mma_type]
+
+
+# FP8 x FP4 weights (issue 4): what the transform makes of awkward MXFP4 checkpoints
+@pytest.mark.parametrize('options', [
+    dict(exponent_range=(100, 128)),                     # groups up to 28 exponents apart: clamped deltas
+    dict(zero_rows=40),                                  # rows that are all zero
+    dict(max_code_in_every_group=True),                  # the largest E2M1 magnitude in every group
+])
+def test_fp4_awkward_weights(options):
+    hidden, inter, experts, topk = MID
+    w = mc.make_weights('fp8xfp4', hidden, inter, experts, 2, seed=21, fp4_options=options)
+    check_case('fp8xfp4', hidden, inter, experts, topk, [300, 17], seed=22, weights=w)

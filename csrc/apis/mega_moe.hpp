@@ -16,7 +16,8 @@ inline void register_apis(py::module_& m) {
     m.def("launch_mega_moe",
           [](int mma_type, const std::vector<int64_t>& buffers, int rank, int num_experts, int num_max_tokens_per_rank,
              int num_topk, int hidden, int intermediate_hidden, int num_tokens, int64_t y, int64_t l1_weights,
-             int64_t l1_weight_scales, int64_t l2_weights, int64_t l2_weight_scales, int64_t stats, int64_t host_status,
+             int64_t l1_weight_scales, int64_t l1_weight_deltas, int64_t l2_weights, int64_t l2_weight_scales,
+             int64_t l2_weight_deltas, int64_t stats, int64_t host_status,
              int64_t trace, int64_t stream, double activation_clamp, bool fast_math, double timeout_s, int num_sms, int max_smem_bytes) {
               if (buffers.empty() or buffers.size() > static_cast<size_t>(kMaxRanks))
                   throw std::invalid_argument("buffers: expected 1.." + std::to_string(kMaxRanks) + " peer addresses");
@@ -24,7 +25,8 @@ inline void register_apis(py::module_& m) {
                   throw std::invalid_argument("rank: expected 0 <= rank < " + std::to_string(buffers.size()));
               jit_kernels::SM90MegaMoEArgs a{static_cast<MmaType>(mma_type), buffers, rank, num_experts,
                                              num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden, num_tokens,
-                                             y, l1_weights, l1_weight_scales, l2_weights, l2_weight_scales, stats,
+                                             y, l1_weights, l1_weight_scales, l1_weight_deltas, l2_weights, l2_weight_scales,
+                                             l2_weight_deltas, stats,
                                              host_status, trace, stream, activation_clamp, fast_math, timeout_s, num_sms,
                                              max_smem_bytes};
               const auto config = jit_kernels::launch_sm90_mega_moe(a);
@@ -32,8 +34,8 @@ inline void register_apis(py::module_& m) {
           },
           py::arg("mma_type"), py::arg("buffers"), py::arg("rank"), py::arg("num_experts"),
           py::arg("num_max_tokens_per_rank"), py::arg("num_topk"), py::arg("hidden"), py::arg("intermediate_hidden"),
-          py::arg("num_tokens"), py::arg("y"), py::arg("l1_weights"), py::arg("l1_weight_scales"), py::arg("l2_weights"),
-          py::arg("l2_weight_scales"), py::arg("stats"), py::arg("host_status"), py::arg("trace"), py::arg("stream"),
+          py::arg("num_tokens"), py::arg("y"), py::arg("l1_weights"), py::arg("l1_weight_scales"), py::arg("l1_weight_deltas"),
+          py::arg("l2_weights"), py::arg("l2_weight_scales"), py::arg("l2_weight_deltas"), py::arg("stats"), py::arg("host_status"), py::arg("trace"), py::arg("stream"),
           py::arg("activation_clamp"), py::arg("fast_math"), py::arg("timeout_s"), py::arg("num_sms"),
           py::arg("max_smem_bytes"),
           "Launch one rank's Mega MoE kernel (addresses as ints; validated by deep_gemm.mega.api). "

@@ -30,19 +30,21 @@ def launch_mega_moe(kind: str, y: torch.Tensor, l1, l2, buf, stats: Optional[tor
     # A previous call on this buffer that failed is reported now, without a sync (DESIGN.md §6)
     status.raise_if_failed(buf)
     mirror = status.host_status(buf)
+    # (weights, FP32 block scales, FP4 exponent deltas) addresses; 0 where a format has none
     if kind == 'bf16xbf16':
-        l1_w, l1_s, l2_w, l2_s = l1.data_ptr(), 0, l2.data_ptr(), 0
+        l1_p, l2_p = (l1.data_ptr(), 0, 0), (l2.data_ptr(), 0, 0)
     elif kind == 'fp8xfp8':
-        l1_w, l1_s, l2_w, l2_s = l1[0].data_ptr(), l1[1].data_ptr(), l2[0].data_ptr(), l2[1].data_ptr()
-    else:
-        raise NotImplementedError('fp8_fp4_mega_moe: the FP8 x FP4 kernel lands with issue 4; '
-                                  'use fp8_mega_moe (E4M3 weights) or bf16_mega_moe meanwhile')
+        l1_p, l2_p = (l1[0].data_ptr(), l1[1].data_ptr(), 0), (l2[0].data_ptr(), l2[1].data_ptr(), 0)
+    else:   # fp8xfp4: (packed E2M1, delta, block_scale) from transform_weights_for_mega_moe
+        l1_p = (l1[0].data_ptr(), l1[2].data_ptr(), l1[1].data_ptr())
+        l2_p = (l2[0].data_ptr(), l2[2].data_ptr(), l2[1].data_ptr())
     num_sms = getattr(buf, 'num_sms', None) or _C.get_num_sms()
     _C.launch_mega_moe(
         mma_type=mma_type_to_int(kind), buffers=list(buf.peer_ptrs), rank=buf.rank, num_experts=buf.num_experts,
         num_max_tokens_per_rank=buf.num_max_tokens_per_rank, num_topk=buf.num_topk, hidden=buf.hidden,
         intermediate_hidden=buf.intermediate_hidden, num_tokens=y.shape[0], y=y.data_ptr(),
-        l1_weights=l1_w, l1_weight_scales=l1_s, l2_weights=l2_w, l2_weight_scales=l2_s,
+        l1_weights=l1_p[0], l1_weight_scales=l1_p[1], l1_weight_deltas=l1_p[2],
+        l2_weights=l2_p[0], l2_weight_scales=l2_p[1], l2_weight_deltas=l2_p[2],
         stats=0 if stats is None else stats.data_ptr(), host_status=0 if mirror is None else mirror.data_ptr(),
         trace=0 if getattr(buf, '_trace', None) is None else buf._trace.data_ptr(),
         stream=torch.cuda.current_stream(y.device).cuda_stream,

@@ -9,12 +9,14 @@ GPU memory; small shapes use `per_block_cast_to_fp8` of float weights (general s
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import List, Optional, Sequence
 
 import torch
 
 from ..mega import api as mega_api
-from ..mega.transform import transform_weights_for_mega_moe
+from ..mega.transform import (GATE_UP_INTERLEAVE, _deinterleave_gate_up, dequant_mega_moe_fp4,
+                              transform_weights_for_mega_moe)
 from ..utils import dequant_per_block_fp8, per_block_cast_to_fp8, per_token_cast_to_fp8
 from .reference import reference_moe_emulated
 from .virtual_ranks import VirtualRankStreams, make_virtual_ranks
@@ -30,7 +32,8 @@ class MoEWeights:
 
 
 def make_weights(mma_type: str, hidden: int, intermediate: int, num_experts: int, num_ranks: int,
-                 seed: int, device='cuda', pow2_scales: Optional[bool] = None) -> MoEWeights:
+                 seed: int, device='cuda', pow2_scales: Optional[bool] = None,
+                 fp4_options: Optional[dict] = None) -> MoEWeights:
     g = torch.Generator(device=device).manual_seed(seed)
     e_local = num_experts // num_ranks
     if pow2_scales is None:
@@ -65,9 +68,37 @@ def make_weights(mma_type: str, hidden: int, intermediate: int, num_experts: int
         per_rank = [transform_weights_for_mega_moe(l1_ref[r * e_local:(r + 1) * e_local].contiguous(),
                                                    l2_ref[r * e_local:(r + 1) * e_local].contiguous())
                     for r in range(num_ranks)]
+    elif mma_type == 'fp8xfp4':
+        w1, s1 = fp4_weight(num_experts, 2 * intermediate, hidden, g, device, **(fp4_options or {}))
+        w2, s2 = fp4_weight(num_experts, hidden, intermediate, g, device, **(fp4_options or {}))
+        with warnings.catch_warnings():
+            warnings.simplefilter('ignore')    # lossy groups are intended in some cases
+            per_rank = [transform_weights_for_mega_moe((w1[r * e_local:(r + 1) * e_local], s1[r * e_local:(r + 1) * e_local]),
+                                                       (w2[r * e_local:(r + 1) * e_local], s2[r * e_local:(r + 1) * e_local]))
+                        for r in range(num_ranks)]
+        # The exact weights the kernel computes with (lossy groups included), back in [gate | up] order;
+        # E2M1 x power-of-two values fit BF16 exactly
+        l1_ref = torch.cat([_deinterleave_gate_up(dequant_mega_moe_fp4(*l1), GATE_UP_INTERLEAVE).bfloat16()
+                            for l1, _ in per_rank])
+        l2_ref = torch.cat([dequant_mega_moe_fp4(*l2).bfloat16() for _, l2 in per_rank])
     else:
-        raise NotImplementedError(f'{mma_type}: test weights for this format land with its kernel (issue 4)')
+        raise ValueError(f'mma_type: unknown {mma_type!r}')
     return MoEWeights(mma_type, l1_ref, l2_ref, per_rank)
+
+
+def fp4_weight(num_experts: int, rows: int, cols: int, g: torch.Generator, device, exponent_range=(118, 124),
+               zero_rows: int = 0, max_code_in_every_group: bool = False):
+    """Random MXFP4 weights: every E2M1 code, UE8M0 exponents drawn from `exponent_range` (a narrow
+    range is lossless in the kernel format; a wide one exercises the clamped deltas)."""
+    packed = torch.randint(0, 256, (num_experts, rows, cols // 2), dtype=torch.uint8, device=device, generator=g)
+    sf = torch.randint(exponent_range[0], exponent_range[1], (num_experts, rows, cols // 32), dtype=torch.uint8,
+                       device=device, generator=g)
+    if max_code_in_every_group:   # +6 or -6 as the first element of every 32-wide group
+        first = packed[..., ::16]
+        packed[..., ::16] = (first & 0xF0) | (0x7 | (first & 0x8))
+    if zero_rows:
+        packed[:, :zero_rows] = 0
+    return packed, sf
 
 
 @dataclasses.dataclass

@@ -134,21 +134,21 @@ inline MegaMoEConfig get_mega_moe_config(MmaType mma_type, int num_ranks, int nu
     // epilogue staging tile (L2's padded BF16 block_m x 128), the barriers / scheduler tables, and
     // 1024 bytes to re-align the dynamic shared-memory base for the 128B-swizzled tiles.
     c.smem_a_per_stage = c.block_m * kSwizzleBytes;
-    c.smem_b_per_stage = c.block_n_l1 * kSwizzleBytes;
+    c.smem_b_per_stage = c.block_n_l1 * kSwizzleBytes + mega_moe_packed_b_bytes(mma_type);
     c.smem_epilogue = mega_moe_epilogue_bytes(c.block_m);
     const int per_stage = c.smem_a_per_stage + c.smem_b_per_stage;
-    static_assert(mega_moe_stage_bytes(64) == 64 * kSwizzleBytes + kBlockNL1 * kSwizzleBytes);
+    static_assert(mega_moe_stage_bytes(MmaType::kFP8xFP8, 64) == 64 * kSwizzleBytes + kBlockNL1 * kSwizzleBytes);
     int num_stages = kMaxStages;
-    while (num_stages >= kMinStages and mega_moe_smem_bytes(c.block_m, num_stages) > max_smem_bytes) --num_stages;
+    while (num_stages >= kMinStages and mega_moe_smem_bytes(mma_type, c.block_m, num_stages) > max_smem_bytes) --num_stages;
     if (num_stages < kMinStages) {
         std::ostringstream os;
         os << "Mega MoE config: max_smem_bytes = " << max_smem_bytes << " fits fewer than " << kMinStages
            << " pipeline stages of " << per_stage << " bytes (block_m = " << c.block_m
-           << "); expected max_smem_bytes >= " << mega_moe_smem_bytes(c.block_m, kMinStages);
+           << "); expected max_smem_bytes >= " << mega_moe_smem_bytes(mma_type, c.block_m, kMinStages);
         throw std::invalid_argument(os.str());
     }
     c.num_stages = num_stages;
-    c.smem_bytes = mega_moe_smem_bytes(c.block_m, num_stages);
+    c.smem_bytes = mega_moe_smem_bytes(mma_type, c.block_m, num_stages);
     c.smem_barriers = c.smem_bytes - num_stages * per_stage - c.smem_epilogue;
     c.num_sms = num_sms;
 

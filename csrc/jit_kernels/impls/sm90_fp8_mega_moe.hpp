@@ -54,9 +54,6 @@ struct SM90MegaMoEVariant {
     // Compile (or find in the cache) on any machine, GPU or not. Remembered per variant, so a
     // launch does not regenerate and hash the source.
     std::filesystem::path compile() const {
-        if (mma_type == MmaType::kFP8xFP4)
-            throw std::runtime_error("deep_gemm: the FP8 x FP4 Mega MoE kernel is not built yet (issue 4); "
-                                     "use fp8_mega_moe or bf16_mega_moe");
         static std::mutex mutex;
         static std::map<std::tuple<int, int, int, bool>, std::filesystem::path> compiled;
         const auto key = std::make_tuple(static_cast<int>(mma_type), block_m, num_stages, fast_math);
@@ -73,7 +70,8 @@ struct SM90MegaMoEArgs {
     std::vector<int64_t> buffers;   // every rank's buffer base address
     int rank, num_experts, num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden;
     int num_tokens;
-    int64_t y, l1_weights, l1_weight_scales, l2_weights, l2_weight_scales, stats, host_status, trace, stream;
+    int64_t y, l1_weights, l1_weight_scales, l1_weight_deltas, l2_weights, l2_weight_scales, l2_weight_deltas;
+    int64_t stats, host_status, trace, stream;
     double activation_clamp;        // <= 0 or inf: none
     bool fast_math;
     double timeout_s;
@@ -82,11 +80,12 @@ struct SM90MegaMoEArgs {
 };
 
 inline CUtensorMap make_kmajor_tma(int64_t ptr, CUtensorMapDataType dtype, uint64_t k, uint64_t rows, uint32_t box_k,
-                                   uint32_t box_rows, uint64_t row_bytes) {
+                                   uint32_t box_rows, uint64_t row_bytes,
+                                   CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_128B) {
     return jit::make_tma<2>(reinterpret_cast<void*>(ptr), dtype,
                             {jit::TmaDim{k, box_k, 0, "K", "BLOCK_K", "-"},
                              jit::TmaDim{rows, box_rows, row_bytes, "rows", "block rows", "row stride"}},
-                            CU_TENSOR_MAP_SWIZZLE_128B);
+                            swizzle);
 }
 
 inline MegaMoEConfig launch_sm90_mega_moe(const SM90MegaMoEArgs& a) {
@@ -107,6 +106,8 @@ inline MegaMoEConfig launch_sm90_mega_moe(const SM90MegaMoEArgs& a) {
     params.y = reinterpret_cast<void*>(a.y);
     params.l1_weight_scales = reinterpret_cast<const float*>(a.l1_weight_scales);
     params.l2_weight_scales = reinterpret_cast<const float*>(a.l2_weight_scales);
+    params.l1_weight_deltas = reinterpret_cast<const uint8_t*>(a.l1_weight_deltas);
+    params.l2_weight_deltas = reinterpret_cast<const uint8_t*>(a.l2_weight_deltas);
     params.cumulative_local_expert_recv_stats = reinterpret_cast<int*>(a.stats);
     params.activation_clamp = a.activation_clamp > 0 and std::isfinite(a.activation_clamp)
                                   ? static_cast<float>(a.activation_clamp) : INFINITY;
@@ -122,9 +123,17 @@ inline MegaMoEConfig launch_sm90_mega_moe(const SM90MegaMoEArgs& a) {
     const auto own = a.buffers[a.rank];
     const uint64_t h = a.hidden, i = a.intermediate_hidden, e = lay.num_local_experts, rows = lay.num_pool_rows;
     CUtensorMap tm_l1_act = make_kmajor_tma(own + lay.l1_act.offset, dtype, h, rows, bk, config.block_m, h * act);
-    CUtensorMap tm_l1_w = make_kmajor_tma(a.l1_weights, dtype, h, e * 2 * i, bk, kMegaMoEBlockNL1, h * act);
+    // FP8 x FP4 weights: packed E2M1 bytes (K/2 per row), 64 bytes of a row per K-block, unswizzled
+    // (the math warpgroups expand them into the swizzled E4M3 tile)
+    const bool fp4 = a.mma_type == MmaType::kFP8xFP4;
+    const auto w_tma = [&](int64_t ptr, uint64_t k, uint64_t rows, uint32_t box_rows) {
+        return fp4 ? make_kmajor_tma(ptr, CU_TENSOR_MAP_DATA_TYPE_UINT8, k / 2, rows, kMegaMoEPackedRowBytes, box_rows, k / 2,
+                                     CU_TENSOR_MAP_SWIZZLE_NONE)
+                   : make_kmajor_tma(ptr, dtype, k, rows, bk, box_rows, k * act);
+    };
+    CUtensorMap tm_l1_w = w_tma(a.l1_weights, h, e * 2 * i, kMegaMoEBlockNL1);
     CUtensorMap tm_l2_act = make_kmajor_tma(own + lay.l2_act.offset, dtype, i, rows, bk, config.block_m, i * act);
-    CUtensorMap tm_l2_w = make_kmajor_tma(a.l2_weights, dtype, i, e * h, bk, kMegaMoEBlockNL2, i * act);
+    CUtensorMap tm_l2_w = w_tma(a.l2_weights, i, e * h, kMegaMoEBlockNL2);
 
     void* args[] = {&params, &tm_l1_act, &tm_l1_w, &tm_l2_act, &tm_l2_w};
     jit::LaunchConfig launch_config;

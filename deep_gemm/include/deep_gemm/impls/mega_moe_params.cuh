@@ -32,15 +32,24 @@ constexpr int kMegaMoETaskRing = 4;          // scheduler -> roles task ring dep
 constexpr int kMegaMoEEpilogueRowBytes = kMegaMoEBlockNL2 * 2 + 16;  // BF16 row + 16 B pad (bank spread)
 
 DG_HOST_DEVICE constexpr int mega_moe_block_k(MmaType t) { return 128 / activation_bytes(t); }
-DG_HOST_DEVICE constexpr int mega_moe_stage_bytes(int block_m) { return block_m * 128 + kMegaMoEBlockNL1 * 128; }
-DG_HOST_DEVICE constexpr int mega_moe_epilogue_bytes(int block_m) { return block_m * kMegaMoEEpilogueRowBytes; }
-// mbarriers (stages x 2 + ring x 2), ring slots, per-expert token counts and M-block table, scalars
-DG_HOST_DEVICE constexpr int mega_moe_control_smem_bytes(int num_stages) {
-    return align_up(num_stages * 16 + kMegaMoETaskRing * 20 + (2 * kMegaMoEMaxLocalExperts + 1) * 4 + 64, 1024);
+// FP8 x FP4: the packed E2M1 B tile (256 rows x 64 bytes per 128-wide K-block) is staged next to the
+// expanded E4M3 tile the wgmma reads
+constexpr int kMegaMoEPackedRowBytes = 64;
+DG_HOST_DEVICE constexpr int mega_moe_packed_b_bytes(MmaType t) {
+    return t == MmaType::kFP8xFP4 ? kMegaMoEBlockNL1 * kMegaMoEPackedRowBytes : 0;
 }
-DG_HOST_DEVICE constexpr int mega_moe_smem_bytes(int block_m, int num_stages) {
+DG_HOST_DEVICE constexpr int mega_moe_stage_bytes(MmaType t, int block_m) {
+    return block_m * 128 + kMegaMoEBlockNL1 * 128 + mega_moe_packed_b_bytes(t);
+}
+DG_HOST_DEVICE constexpr int mega_moe_epilogue_bytes(int block_m) { return block_m * kMegaMoEEpilogueRowBytes; }
+// mbarriers (stages x 2 + ring x 2), ring slots, per-expert token counts and M-block table,
+// scalars, the 16 x 16 E2M1 -> E4M3 expansion table
+DG_HOST_DEVICE constexpr int mega_moe_control_smem_bytes(int num_stages) {
+    return align_up(num_stages * 16 + kMegaMoETaskRing * 20 + (2 * kMegaMoEMaxLocalExperts + 1) * 4 + 64 + 256, 1024);
+}
+DG_HOST_DEVICE constexpr int mega_moe_smem_bytes(MmaType t, int block_m, int num_stages) {
     // +1024: the dynamic shared-memory base is re-aligned to 1024 B for the swizzled tiles
-    return num_stages * mega_moe_stage_bytes(block_m) + mega_moe_epilogue_bytes(block_m) +
+    return num_stages * mega_moe_stage_bytes(t, block_m) + mega_moe_epilogue_bytes(block_m) +
            mega_moe_control_smem_bytes(num_stages) + 1024;
 }
 
@@ -57,8 +66,10 @@ struct MegaMoEParams {
     int rank;
     int num_tokens;                     // this rank's n (<= num_max_tokens_per_rank)
     void* y;                            // BF16 [n, hidden]
-    const float* l1_weight_scales;      // FP8: [E_local, 2I/128, H/128] (gate/up interleaved rows)
-    const float* l2_weight_scales;      // FP8: [E_local, H/128, I/128]
+    const float* l1_weight_scales;      // FP8/FP4: [E_local, 2I/128, H/128] (gate/up interleaved rows)
+    const float* l2_weight_scales;      // FP8/FP4: [E_local, H/128, I/128]
+    const uint8_t* l1_weight_deltas;    // FP4: [E_local, 2I, H/32] exponent deltas (interleaved rows)
+    const uint8_t* l2_weight_deltas;    // FP4: [E_local, H, I/32]
     int* cumulative_local_expert_recv_stats;  // int32 [E_local] or nullptr
     float activation_clamp;             // +inf when no clamp
     uint64_t timeout_ns;

@@ -39,7 +39,8 @@ constexpr int kNumDispatchWarps = 3;
 constexpr int kNumDispatchThreads = kNumDispatchWarps * 32;
 // Named barrier ids (0 is __syncthreads)
 constexpr int kBarrierDispatch = 1;
-constexpr int kBarrierMathBase = 2;  // + math warpgroup index
+constexpr int kBarrierMathBase = 2;  // + math warpgroup index (2, 3)
+constexpr int kBarrierMathAll = 4;   // every math warpgroup (FP4 tile expansion)
 // Register quotas after `setmaxnreg`. Two math warpgroups (384 threads): 128 x 40 + 256 x 232 <= 64K.
 // One math warpgroup (256 threads) leaves room to give the dispatch warps more loads in flight.
 template <int kNumMathWGs> constexpr int kProducerRegisters = kNumMathWGs == 1 ? 88 : 40;
@@ -103,13 +104,12 @@ __device__ __forceinline__ float silu(float g) {
 
 template <MmaType kMmaType, int BLOCK_M, int kNumStages, bool kFastMath>
 struct Kernel {
-    static_assert(kMmaType == MmaType::kFP8xFP8 or kMmaType == MmaType::kBF16xBF16,
-                  "FP8 x FP4 lands with issue 4");
     static_assert(BLOCK_M == 64 or BLOCK_M == 128, "one or two math warpgroups of 64 rows");
     static_assert(L::kMaxBlockM % BLOCK_M == 0 and BLOCK_M >= L::kMinBlockM, "pools are padded for kMinBlockM..kMaxBlockM");
     static_assert(kNumStages >= 2, "pipeline needs at least double buffering");
 
-    static constexpr bool kFP8 = is_fp8_activation(kMmaType);
+    static constexpr bool kFP8 = is_fp8_activation(kMmaType);          // FP8 activations (and FP8 WGMMA)
+    static constexpr bool kFP4 = kMmaType == MmaType::kFP8xFP4;        // weights E2M1, expanded in smem
     static constexpr int kActBytes = activation_bytes(kMmaType);
     static constexpr int kNumMathWGs = BLOCK_M / 64;
     static constexpr int kNumThreads = 128 * (1 + kNumMathWGs);
@@ -117,10 +117,11 @@ struct Kernel {
     static constexpr int kABytes = BLOCK_M * 128;
     static constexpr int kBBytesL1 = kMegaMoEBlockNL1 * 128;
     static constexpr int kBBytesL2 = kMegaMoEBlockNL2 * 128;
-    static constexpr int kStageBytes = mega_moe_stage_bytes(BLOCK_M);
+    static constexpr int kStageBytes = mega_moe_stage_bytes(kMmaType, BLOCK_M);
+    static constexpr int kNumMathThreads = 128 * kNumMathWGs;
     static constexpr int kKStepsPerStage = 128 / mma::kWgmmaKBytes;
     static constexpr int kNumRingConsumers = kNumDispatchThreads + 128 * kNumMathWGs;
-    static_assert(kStageBytes == kABytes + kBBytesL1);
+    static_assert(kStageBytes == kABytes + kBBytesL1 + mega_moe_packed_b_bytes(kMmaType));
     static_assert(kNumMathWGs * 128 * kMathRegisters<kNumMathWGs> + 128 * kProducerRegisters<kNumMathWGs> <= 65536, "register file");
 
     // ------------------------------------------------------------------------------------------
@@ -135,6 +136,7 @@ struct Kernel {
         int* ring_task;
         int* expert_tokens;       // [E_local]
         int* mblock_begin;        // [E_local + 1], exclusive prefix of M-blocks per local expert
+        uint8_t* fp4_table;       // [16 deltas][16 codes] E4M3 bytes (FP8 x FP4 only)
         SharedControl* ctrl;
 
         __device__ explicit Smem(uint8_t* base) {
@@ -149,10 +151,12 @@ struct Kernel {
             expert_tokens = ring_task + kMegaMoETaskRing;
             mblock_begin = expert_tokens + kMegaMoEMaxLocalExperts;
             ctrl = reinterpret_cast<SharedControl*>(align_up<uintptr_t>(reinterpret_cast<uintptr_t>(mblock_begin + kMegaMoEMaxLocalExperts + 1), 16));
+            fp4_table = reinterpret_cast<uint8_t*>(ctrl + 1);
         }
         // Stage addresses are computed, not stored: an array indexed by a run-time stage would live in local memory
         __device__ uint8_t* stage_a(int s) const { return stages + s * kStageBytes; }
         __device__ uint8_t* stage_b(int s) const { return stages + s * kStageBytes + kABytes; }
+        __device__ uint8_t* stage_packed_b(int s) const { return stages + s * kStageBytes + kABytes + kBBytesL1; }
     };
 
     // Task space of one call, identical in every CTA of a rank once the receive counts are known
@@ -428,7 +432,9 @@ struct Kernel {
             const int num_kb = (is_l1 ? lay.hidden : lay.intermediate_hidden) / BLOCK_K;
             const int b_rows = is_l1 ? kMegaMoEBlockNL1 : kMegaMoEBlockNL2;
             const int b_row0 = le * (is_l1 ? 2 * lay.intermediate_hidden : lay.hidden) + j * b_rows;
-            const uint32_t stage_bytes = kABytes + (is_l1 ? kBBytesL1 : kBBytesL2);
+            // FP8 x FP4: B arrives packed (64 bytes per row and K-block) and the math warpgroups expand it
+            const uint32_t b_bytes = kFP4 ? b_rows * kMegaMoEPackedRowBytes : (is_l1 ? kBBytesL1 : kBBytesL2);
+            const uint32_t stage_bytes = kABytes + b_bytes;
             const CUtensorMap* tm_act = is_l1 ? tm_l1_act : tm_l2_act;
             const CUtensorMap* tm_w = is_l1 ? tm_l1_w : tm_l2_w;
             auto claim_stage = [&](uint32_t it) {
@@ -437,7 +443,11 @@ struct Kernel {
                                      [&] { return mbarrier_try_wait(sm.empty + s, ((it / kNumStages) & 1) ^ 1); }))
                     return false;
                 mbarrier_arrive_expect_tx(sm.full + s, stage_bytes);
-                tma_load_2d(sm.stage_b(s), tm_w, sm.full + s, static_cast<int>(it - stage_iter) * BLOCK_K, b_row0);
+                const int kb = static_cast<int>(it - stage_iter);
+                if constexpr (kFP4)
+                    tma_load_2d(sm.stage_packed_b(s), tm_w, sm.full + s, kb * kMegaMoEPackedRowBytes, b_row0);
+                else
+                    tma_load_2d(sm.stage_b(s), tm_w, sm.full + s, kb * BLOCK_K, b_row0);
                 return true;
             };
 
@@ -499,6 +509,37 @@ struct Kernel {
         if (mt.lane == 0) mbarrier_arrive(sm.empty + stage_iter % kNumStages);
     }
 
+    // FP8 x FP4: expand the stage's packed E2M1 B tile into E4M3, written in the 128B-swizzled
+    // K-major layout that TMA would have produced, so the FP8 wgmma path runs unchanged. Code c of a
+    // 32-wide group with exponent delta d becomes fp4_table[d][c] = RNE_e4m3(e2m1(c) * 2^(6 - d));
+    // the rest of the scale (2^(base - 133)) is the FP32 block scale applied at promotion.
+    __device__ void expand_fp4_tile(int s, int rows, const uint8_t* deltas, int64_t row0, int kb, int k_groups) {
+        const uint8_t* packed = sm.stage_packed_b(s);
+        uint8_t* tile = sm.stage_b(s);
+        const int math_thread = static_cast<int>(threadIdx.x) - 128;
+        for (int c = math_thread; c < rows * 8; c += kNumMathThreads) {
+            const int r = c >> 3, chunk = c & 7;     // 16 E4M3 outputs = 8 packed bytes per chunk
+            const uint2 q = *reinterpret_cast<const uint2*>(packed + r * kMegaMoEPackedRowBytes + chunk * 8);
+            // Weights are host data: mask the delta so a corrupted byte cannot index past the table
+            const int d = __ldg(deltas + (row0 + r) * k_groups + kb * 4 + (chunk >> 1)) & 15;
+            const uint8_t* t = sm.fp4_table + d * 16;
+            uint32_t out[4];
+            #pragma unroll
+            for (int w = 0; w < 4; ++w) {
+                const uint32_t bytes = (w < 2 ? q.x : q.y) >> ((w & 1) * 16);
+                out[w] = static_cast<uint32_t>(t[bytes & 15]) | (static_cast<uint32_t>(t[(bytes >> 4) & 15]) << 8) |
+                         (static_cast<uint32_t>(t[(bytes >> 8) & 15]) << 16) | (static_cast<uint32_t>(t[(bytes >> 12) & 15]) << 24);
+            }
+            // 128B swizzle: the 16-byte chunk index is XORed with the row inside its 8-row atom
+            *reinterpret_cast<uint4*>(tile + (r >> 3) * 1024 + (r & 7) * 128 + ((chunk ^ (r & 7)) << 4)) =
+                make_uint4(out[0], out[1], out[2], out[3]);
+        }
+        // The wgmma (async proxy) reads what these generic stores wrote; every math warpgroup
+        // reads the whole tile, so all of them must be done expanding
+        fence_proxy_async_shared();
+        named_barrier(kBarrierMathAll, kNumMathThreads);
+    }
+
     // L1: acc[0:64] gate, acc[64:128] up (column c of gate pairs with column c of up)
     __device__ bool l1_mainloop(int m, int le, int j, uint32_t& stage_iter, const MathThread& mt, float (&acc)[128]) {
         const int num_kb = lay.hidden / BLOCK_K;
@@ -517,6 +558,9 @@ struct Kernel {
             for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
                 const float sg = __ldg(b_sf_gate + kb), su = __ldg(b_sf_up + kb);
                 if (not wait_full(stage_iter)) return false;
+                if constexpr (kFP4)
+                    expand_fp4_tile(stage_iter % kNumStages, kMegaMoEBlockNL1, p.l1_weight_deltas,
+                                    static_cast<int64_t>(le) * 2 * lay.intermediate_hidden + j * kMegaMoEBlockNL1, kb, lay.hidden / 32);
                 if (kb == 0) {
                     next_sa0 = __ldcg(a_sf + g0);
                     next_sa1 = __ldcg(a_sf + g1);
@@ -582,6 +626,9 @@ struct Kernel {
             for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
                 const float sb = __ldg(b_sf + kb);
                 if (not wait_full(stage_iter)) return false;
+                if constexpr (kFP4)
+                    expand_fp4_tile(stage_iter % kNumStages, kMegaMoEBlockNL2, p.l2_weight_deltas,
+                                    static_cast<int64_t>(le) * lay.hidden + j * kMegaMoEBlockNL2, kb, lay.intermediate_hidden / 32);
                 if (kb == 0) {
                     next_sa0 = __ldcg(a_sf + g0);
                     next_sa1 = __ldcg(a_sf + g1);
@@ -791,6 +838,15 @@ struct Kernel {
             ctrl->abort = 0;
             ctrl->is_last_cta = 0;
             ctrl->num_mblocks = 0;
+        }
+        if constexpr (kFP4) {
+            // fp4_table[d][c] = RNE_e4m3(e2m1(c) * 2^(6 - d)), the rule of transform_weights_for_mega_moe
+            for (int i = threadIdx.x; i < 256; i += kNumThreads) {
+                constexpr float kE2M1[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+                const int d = i / 16, c = i % 16;
+                const float v = (c & 8 ? -1.0f : 1.0f) * kE2M1[c & 7] * exp2f(static_cast<float>(6 - d));
+                sm.fp4_table[i] = static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
+            }
         }
         if (warp == 0 and lane_idx() == 0) {
             prefetch_tma_descriptor(tm_l1_act), prefetch_tma_descriptor(tm_l1_w);
