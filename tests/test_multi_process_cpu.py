@@ -391,3 +391,32 @@ def test_format_case_results():
     assert '107 calls' in lines[0]
     assert lines[1].startswith('rank 1/2 fp8xfp8 small') and 'FAIL  eager cases failed' in lines[1]
     assert lines[2] == '      rank 1: x'
+
+
+class _FakeBuffer:
+    def __init__(self, rank, peer_ptrs, own):
+        self.rank, self.num_ranks, self.peer_ptrs = rank, len(peer_ptrs), peer_ptrs
+        self.buffer = type('T', (), {'data_ptr': lambda _self: own})()
+
+
+def test_check_peer_table():
+    ep_check.check_peer_table(_FakeBuffer(1, [0x1000, 0x2000], 0x2000), 1, 2)
+    # torch's pooled symmetric memory: base pointers of the block, the tensor 512 bytes in
+    with pytest.raises(ep_check.EPCheckError, match=r'peer_ptrs\[1\] = 0x2000 .* \(offset \+512\)'):
+        ep_check.check_peer_table(_FakeBuffer(1, [0x1000, 0x2000], 0x2200), 1, 2)
+    with pytest.raises(ep_check.EPCheckError, match='expected rank 0 of 2'):
+        ep_check.check_peer_table(_FakeBuffer(1, [0x1000, 0x2000], 0x2000), 0, 2)
+    with pytest.raises(ep_check.EPCheckError, match='repeated'):
+        ep_check.check_peer_table(_FakeBuffer(0, [0x1000, 0x1000], 0x1000), 0, 2)
+
+
+def test_allow_cold_jit(monkeypatch):
+    from deep_gemm.mega import status
+    monkeypatch.setattr(status, '_timeout_s', None)
+    monkeypatch.delenv('DG_TIMEOUT_S', raising=False)
+    ep_check.allow_cold_jit()
+    assert status.get_timeout() == ep_check.COLD_JIT_TIMEOUT_S == 60.0
+    monkeypatch.setattr(status, '_timeout_s', None)
+    monkeypatch.setenv('DG_TIMEOUT_S', '2')
+    ep_check.allow_cold_jit()            # an explicit setting wins
+    assert status.get_timeout() == 2.0

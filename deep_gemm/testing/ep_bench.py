@@ -294,23 +294,6 @@ def summarize(rows: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
 # One rank of the sweep
 # --------------------------------------------------------------------------------------------------
 
-def _capture(fn) -> 'torch.cuda.CUDAGraph':
-    """Warm up twice on a side stream, then capture one call (thread_local: NCCL's watchdog thread
-    may query events meanwhile)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=side, capture_error_mode='thread_local'):
-        fn()
-    torch.cuda.synchronize()
-    return graph
-
-
 def _failure_text(e: RanksFailed) -> str:
     """What failed and the first rank's message, on one line."""
     if not e.failures:
@@ -341,6 +324,7 @@ def _bench_ep_row(rank: int, world_size: int, mma_type: str, shape: MoEShape, n:
 
     from .. import bench
     from ..mega import api as mega_api
+    from .ep_check import capture_call
     from .moe_case import make_inputs
     from .reference import calc_diff
 
@@ -368,14 +352,15 @@ def _bench_ep_row(rank: int, world_size: int, mma_type: str, shape: MoEShape, n:
     fused_y = None
     y = torch.empty(n, shape.hidden, dtype=torch.bfloat16, device=device)
     try:
-        with all_ranks_agree('fused warm-up'):   # JIT compile and load, then a checked call
+        with all_ranks_agree('fused warm-up'):   # JIT compile and load, then checked calls
             _stage(buf, inp)
-            fn(y, l1, l2, buf)
+            for _ in range(2):
+                fn(y, l1, l2, buf)
             torch.cuda.synchronize()
             buf.check()
         with all_ranks_agree('fused capture') as step:
-            try:
-                graph = _capture(lambda: fn(y, l1, l2, buf))
+            try:   # capture launches nothing: a failure here leaves the ranks' call counts equal
+                graph = capture_call(lambda: fn(y, l1, l2, buf))
                 step.share = None
             except Exception as e:  # noqa: BLE001 - capture failed here: every rank times eagerly
                 graph, step.share = None, _first_line(e)
@@ -395,18 +380,25 @@ def _bench_ep_row(rank: int, world_size: int, mma_type: str, shape: MoEShape, n:
     except RanksFailed as e:
         fields['status'] = 'error'
         notes.append(f'fused: {_failure_text(e)}')
+        # Every rank is here: clear the recorded error so that the next rows can call the kernel
+        torch.cuda.synchronize()
+        buf.reset()
+        dist.barrier()
 
     # ---- baseline ---------------------------------------------------------------------------------
     dist.barrier()
     try:
         box: List[torch.Tensor] = []
+
+        def run_baseline() -> None:
+            box[:] = [baseline(inp.x_q, inp.x_sf, inp.topk_idx, inp.topk_weights)]
+
         with all_ranks_agree('baseline'):
             baseline.error = None
             note = baseline.prepare(inp.x_q, inp.x_sf, inp.topk_idx, inp.topk_weights)
             if note:
                 notes.append(f'baseline fallback ({note})')
-            us = event_median_us(lambda: box.append(baseline(inp.x_q, inp.x_sf, inp.topk_idx, inp.topk_weights)),
-                                 reps, flush)
+            us = event_median_us(run_baseline, reps, flush)
         fields.update(baseline=baseline.describe(), baseline_us=us,
                       baseline_timing='eager: host-sized all_to_all (one sync per call)')
         if baseline.error:
@@ -448,6 +440,7 @@ def _bench_format_shape(rank: int, world_size: int, mma_type: str, shape: MoESha
 
     from .. import bench
     from ..mega.buffer import get_symm_buffer_for_mega_moe
+    from .ep_check import check_peer_table
     from .moe_case import make_weights
 
     lead = rank == 0
@@ -465,6 +458,7 @@ def _bench_format_shape(rank: int, world_size: int, mma_type: str, shape: MoESha
         with all_ranks_agree('symmetric buffer'):
             buf = get_symm_buffer_for_mega_moe(dist.group.WORLD, shape.num_experts, max(tokens), shape.num_topk,
                                                shape.hidden, shape.intermediate, mma_type)
+            check_peer_table(buf, rank, world_size)
         baseline = AllToAllMoEBaseline(local, rank, world_size, shape.num_experts)
     except NotImplementedError as e:
         mine = _rows_for_all(mma_type, shape, tokens, rank, world_size, bench.NOT_BUILT, _first_line(e))
@@ -508,7 +502,9 @@ def bench_ep_rank(rank: int, world_size: int, config: Dict[str, Any]) -> Optiona
     None on the others.
     """
     from .. import bench
+    from .ep_check import allow_cold_jit
     lead = rank == 0
+    allow_cold_jit()
     device = torch.device('cuda', torch.cuda.current_device())
     flush = L2Flusher(device)
     if lead:

@@ -43,6 +43,10 @@ DEFAULT_NUM_CALLS = 100
 # Back-to-back: the reference runs on every SAMPLE_EVERY-th call and on the last
 SAMPLE_EVERY = 10
 MASK_FRAC = 0.3
+# Spin-wait bound while checking (unless DG_TIMEOUT_S is set): the kernel variant depends on each
+# rank's n, so a rank may JIT-compile one (tens of seconds on a cold cache) while its peers'
+# kernels already wait for it; the default 5 s would turn that into a timeout
+COLD_JIT_TIMEOUT_S = 60.0
 
 Shape = Union[str, Sequence[int]]
 
@@ -89,6 +93,32 @@ def _weights_checksum(weights: moe_case.MoEWeights) -> List[int]:
     return sums
 
 
+def allow_cold_jit() -> None:
+    """Raise the kernel's spin-wait bound to COLD_JIT_TIMEOUT_S unless DG_TIMEOUT_S says otherwise."""
+    import os
+
+    from ..mega import status
+    if 'DG_TIMEOUT_S' not in os.environ:
+        status.set_timeout(max(status.get_timeout(), COLD_JIT_TIMEOUT_S))
+
+
+def check_peer_table(buf, rank: int, world_size: int) -> None:
+    """EPCheckError unless `buf` is rank `rank` of `world_size` with one distinct address per rank and
+    its own entry equal to its own buffer's address."""
+    if (buf.rank, buf.num_ranks, len(buf.peer_ptrs)) != (rank, world_size, world_size):
+        raise EPCheckError(f'buffer has rank {buf.rank} of {buf.num_ranks} with {len(buf.peer_ptrs)} peer '
+                           f'addresses, expected rank {rank} of {world_size}')
+    own = buf.buffer.data_ptr()
+    if buf.peer_ptrs[rank] != own:
+        # torch's implicit symmetric-memory pool (TORCH_SYMMMEM_IMPLICIT_POOL, default on) places the
+        # tensor at an offset inside a pooled block, and handle.buffer_ptrs are the blocks' bases
+        raise EPCheckError(f'peer_ptrs[{rank}] = {buf.peer_ptrs[rank]:#x} is not this rank\'s buffer {own:#x} '
+                           f'(offset {own - buf.peer_ptrs[rank]:+d}): the peer table must hold every rank\'s '
+                           f'address of the buffer itself (symmetric-memory base + the tensor\'s offset)')
+    if len(set(buf.peer_ptrs)) != world_size:
+        raise EPCheckError(f'peer_ptrs has repeated addresses: {[hex(p) for p in buf.peer_ptrs]}')
+
+
 def _stage(buf, inp: moe_case.RankInputs) -> None:
     n = inp.x_q.shape[0]
     buf.x[:n].copy_(inp.x_q)
@@ -119,8 +149,8 @@ def _check_output(what: str, y: torch.Tensor, weights, inp, tol: float, clamp: O
     return diff
 
 
-def _capture(fn) -> torch.cuda.CUDAGraph:
-    """Capture one call of `fn` on a side stream. thread_local: NCCL's watchdog thread may query
+def capture_call(fn) -> torch.cuda.CUDAGraph:
+    """Capture one call of `fn` (already run eagerly: compiled and loaded) on a side stream. thread_local: NCCL's watchdog thread may query
     events while this thread captures, which the default ('global') mode turns into an error."""
     graph = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
@@ -199,11 +229,7 @@ def check_ep_rank(rank: int, world_size: int, mma_type: str, shape: Shape, ns: O
     # ---- the symmetric buffer (collective: every rank allocates and maps the peers) ------------
     with all_ranks_agree('get_symm_buffer_for_mega_moe', group) as step:
         buf = get_symm_buffer_for_mega_moe(group, experts, n_max, topk, hidden, inter, mma_type)
-        if (buf.rank, buf.num_ranks, len(buf.peer_ptrs)) != (rank, world_size, world_size):
-            raise EPCheckError(f'buffer has rank {buf.rank} of {buf.num_ranks} with {len(buf.peer_ptrs)} peers, '
-                               f'expected rank {rank} of {world_size}')
-        if buf.peer_ptrs[rank] != buf.buffer.data_ptr():
-            raise EPCheckError('peer_ptrs[rank] is not this rank\'s own buffer')
+        check_peer_table(buf, rank, world_size)
         step.share = buf.peer_ptrs
     report['peers'] = len(set(step.gathered[rank]))
 
@@ -242,7 +268,7 @@ def check_ep_rank(rank: int, world_size: int, mma_type: str, shape: Shape, ns: O
     dist.barrier(group=group)
     with all_ranks_agree('CUDA graph capture and replay', group):
         y_graph = torch.empty(n, hidden, dtype=torch.bfloat16, device=device)
-        graph = _capture(lambda: fn(y_graph, l1, l2, buf, activation_clamp=activation_clamp))
+        graph = capture_call(lambda: fn(y_graph, l1, l2, buf, activation_clamp=activation_clamp))
         worst = 0.0
         for j, mask_frac in enumerate((0.0, MASK_FRAC)):
             inp = moe_case.make_inputs(mma_type, [n], hidden, experts, topk, _seed(seed, 2, j, rank),
@@ -315,6 +341,7 @@ def run_check_cases(rank: int, world_size: int, cases: Sequence[Tuple[str, str]]
     import torch.distributed as dist
 
     from .multi_process import NO_MULTICAST_ENV
+    allow_cold_jit()
     out: Dict[str, Any] = dict(rank=rank, world_size=world_size, device=torch.cuda.get_device_name(),
                                env={k: os.environ.get(k) for k in NO_MULTICAST_ENV}, cases={})
     for mma_type, shape in cases:

@@ -78,9 +78,16 @@ def make_weights(mma_type: str, hidden: int, intermediate: int, num_experts: int
                         for r in range(num_ranks)]
         # The exact weights the kernel computes with (lossy groups included), back in [gate | up] order;
         # E2M1 x power-of-two values fit BF16 exactly
-        l1_ref = torch.cat([_deinterleave_gate_up(dequant_mega_moe_fp4(*l1), GATE_UP_INTERLEAVE).bfloat16()
-                            for l1, _ in per_rank])
-        l2_ref = torch.cat([dequant_mega_moe_fp4(*l2).bfloat16() for _, l2 in per_rank])
+        # (dequantized a few experts at a time: the reference helper's int64 intermediates of a whole
+        # 256-expert 7168-hidden layer would not fit in GPU memory)
+        def exact(t, interleaved):
+            out = []
+            for e0 in range(0, t[0].shape[0], 8):
+                w = dequant_mega_moe_fp4(*(x[e0:e0 + 8] for x in t))
+                out.append((_deinterleave_gate_up(w, GATE_UP_INTERLEAVE) if interleaved else w).bfloat16())
+            return torch.cat(out)
+        l1_ref = torch.cat([exact(l1, True) for l1, _ in per_rank])
+        l2_ref = torch.cat([exact(l2, False) for _, l2 in per_rank])
     else:
         raise ValueError(f'mma_type: unknown {mma_type!r}')
     return MoEWeights(mma_type, l1_ref, l2_ref, per_rank)
