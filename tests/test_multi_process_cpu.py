@@ -336,12 +336,12 @@ def test_bench_torchrun_must_match_ep(monkeypatch, capsys):
 def test_check_command_line():
     args = multi_process.parse_args(['--check'])
     assert (args.nproc, args.formats, args.shapes, args.seed, args.calls) == (
-        None, ['fp8xfp8', 'bf16xbf16'], ['small', 'mid'], 0, 100)
+        None, ['fp8xfp8', 'fp8xfp4', 'bf16xbf16'], ['small', 'mid'], 0, 100)
     args = multi_process.parse_args(['--check', '--nproc', '4', '--formats', 'bf16xbf16', '--shapes', 'mid',
                                      '--calls', '7', '--seed', '3', '--timeout', '60'])
     assert (args.nproc, args.formats, args.shapes, args.calls, args.seed, args.timeout) == (
         4, ['bf16xbf16'], ['mid'], 7, 3, 60.0)
-    for argv in ([], ['--check', '--nproc', '0'], ['--check', '--calls', '0'], ['--check', '--formats', 'fp8xfp4']):
+    for argv in ([], ['--check', '--nproc', '0'], ['--check', '--calls', '0'], ['--check', '--formats', 'fp16']):
         with pytest.raises(SystemExit):
             multi_process.parse_args(argv)
 
@@ -420,3 +420,156 @@ def test_allow_cold_jit(monkeypatch):
     monkeypatch.setenv('DG_TIMEOUT_S', '2')
     ep_check.allow_cold_jit()            # an explicit setting wins
     assert status.get_timeout() == 2.0
+
+
+# --------------------------------------------------------------------------------------------------
+# The GPU code paths with a CPU stand-in for the kernel
+# --------------------------------------------------------------------------------------------------
+#
+# check_ep_rank and bench_ep_rank run on 2 gloo ranks with: CPU tensors, the layout-exact SymmBuffer
+# of this rank (virtual-rank buffers on the CPU), and a stand-in kernel that validates its arguments
+# like the real entry point and computes the emulating reference, exchanging the routing with its peer
+# for the receive statistics (one collective per call: like the kernel, it needs every rank to call).
+# What this proves: the phases, call counts, staging, checks and rows; not the kernel.
+
+_STAND_IN = {}
+
+
+class _Replay:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def replay(self):
+        self.fn()
+
+
+def _install_stand_ins(monkeypatch_free_rank, world_size, tamper=None, not_built=()):
+    import torch.distributed as dist
+
+    from deep_gemm.mega import api as mega_api
+    from deep_gemm.mega import buffer as buffer_mod
+    from deep_gemm.testing import moe_case, virtual_ranks
+
+    rank = monkeypatch_free_rank
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.empty_cache = lambda: None
+    torch.cuda.get_device_name = lambda *a: 'CPU stand-in'
+    ep_check.capture_call = lambda fn: _Replay(fn)
+    ep_bench.L2Flusher = lambda device: (lambda: None)
+    ep_bench.event_median_us = lambda run, reps, flush: [run() for _ in range(reps)] and 10.0 + rank
+
+    make_weights = moe_case.make_weights
+
+    def weights_stand_in(mma_type, *args, **kwargs):
+        if mma_type in not_built:
+            raise NotImplementedError(f'{mma_type}: not built (stand-in)')
+        _STAND_IN['weights'] = w = make_weights(mma_type, *args, **kwargs)
+        return w
+    moe_case.make_weights = weights_stand_in
+
+    def symm_stand_in(group, num_experts, n_max, topk, hidden, inter, fmt):
+        assert group is not None and dist.get_world_size(group) == world_size
+        bufs = virtual_ranks.make_virtual_ranks(world_size, num_experts, n_max, topk, hidden, inter, fmt, device='cpu')
+        return bufs[rank]
+    buffer_mod.get_symm_buffer_for_mega_moe = symm_stand_in
+
+    def kernel(y, l1, l2, buf, cumulative_local_expert_recv_stats=None, activation='swiglu', activation_clamp=None,
+               fast_math=True):
+        stats = cumulative_local_expert_recv_stats
+        mega_api._validate(buf.mma_type, y, l1, l2, buf, stats, activation, activation_clamp, fast_math, 'stand-in')
+        _STAND_IN['calls'] = _STAND_IN.get('calls', 0) + 1
+        n = y.shape[0]
+        inp = moe_case.RankInputs(None, buf.x[:n].clone(), None if buf.x_sf is None else buf.x_sf[:n].clone(),
+                                  buf.topk_idx[:n].clone(), buf.topk_weights[:n].clone())
+        y.copy_(moe_case.reference(_STAND_IN['weights'], inp, activation_clamp).bfloat16())
+        if tamper is not None:
+            tamper(y, _STAND_IN['calls'])
+        ids = inp.topk_idx[inp.topk_idx >= 0]
+        counts = torch.bincount(ids, minlength=buf.num_experts)
+        dist.all_reduce(counts)
+        if stats is not None:
+            e = buf.num_local_experts
+            stats += counts[rank * e:(rank + 1) * e].int()
+    for name in ('fp8_mega_moe', 'fp8_fp4_mega_moe', 'bf16_mega_moe'):
+        setattr(mega_api, name, kernel)
+
+
+def _child_check_with_stand_in(rank, world_size, mma_type, num_calls, tamper_rank):
+    def tamper(y, call):      # one wrong value in rank tamper_rank's 5th call (a masked-phase output)
+        if rank == tamper_rank and call == 2 and y.shape[0]:
+            y[0, 0] = 1000.0
+    _install_stand_ins(rank, world_size, tamper if tamper_rank is not None else None)
+    ns = ep_check.default_ns(world_size, 64)
+    try:
+        report = ep_check.check_ep_rank(rank, world_size, mma_type, 'small', ns, seed=3, num_calls=num_calls,
+                                        device='cpu', sample_every=4)
+    except RanksFailed as e:
+        return dict(failed=(e.what, [(r, t) for r, t, _ in e.failures], str(e)), calls=_STAND_IN['calls'])
+    return dict(report=report, calls=_STAND_IN['calls'])
+
+
+def _child_bench_with_stand_in(rank, world_size, json_path):
+    from deep_gemm.testing.bench_utils import MoEShape
+    _install_stand_ins(rank, world_size, not_built=('fp8xfp8',))
+    bench.SHAPES['cpu-small'] = MoEShape('cpu-small', 512, 256, 16, 4)
+    config = dict(shapes=['cpu-small'], formats=['bf16xbf16', 'fp8xfp8', 'fp8xfp4'], tokens=[1, 48], reps=2, seed=1,
+                  json=json_path, plot=None, meta=dict(gpu=None), device='cpu')
+    rows = ep_bench.bench_ep_rank(rank, world_size, config)
+    return dict(rows=rows, calls=_STAND_IN['calls'])
+
+
+@pytest.mark.parametrize('mma_type', ['fp8xfp8', 'fp8xfp4', 'bf16xbf16'])
+def test_check_ep_rank_with_a_stand_in_kernel(mma_type):
+    results = spawn(_child_check_with_stand_in, 2, mma_type, 6, None, backend='gloo', timeout_s=SPAWN_TIMEOUT_S)
+    for rank, r in enumerate(results):
+        report = r['report']
+        # 3 eager cases + 2 x (replay + eager) + 6 back-to-back, on both ranks
+        assert report['calls'] == r['calls'] == 3 + 4 + 6
+        assert report['ns'] == [64, 0] and report['n_max'] == 64 and report['peers'] == 2
+        for phase in ('plain', 'masked', 'skewed', 'graph', 'back_to_back'):
+            assert report[phase] < 1e-12, (rank, phase, report[phase])   # the stand-in IS the reference
+
+
+def test_check_ep_rank_failure_on_one_rank_fails_every_rank():
+    results = spawn(_child_check_with_stand_in, 2, 'bf16xbf16', 6, 1, backend='gloo', timeout_s=SPAWN_TIMEOUT_S)
+    for r in results:
+        what, failures, text = r['failed']
+        assert what == 'eager cases' and failures == [(1, 'EPCheckError')]
+        assert 'masked: calc_diff' in text
+        assert r['calls'] == 3          # the phase's calls were all made; nothing after it
+
+
+def test_bench_ep_rank_with_a_stand_in_kernel(tmp_path, capfd):
+    import json
+    path = str(tmp_path / 'ep.json')
+    results = spawn(_child_bench_with_stand_in, 2, path, backend='gloo', timeout_s=SPAWN_TIMEOUT_S)
+    rows = results[0]['rows']
+    assert results[1]['rows'] is None
+    # 2 formats x 2 token counts: 2 warm-up calls per row on each rank, then the timed replays (2)
+    assert results[0]['calls'] == results[1]['calls'] == 2 * 2 * (2 + 2)
+    for fmt in ('bf16xbf16', 'fp8xfp4'):
+        ok = [r for r in rows if r['format'] == fmt]
+        assert [(r['n'], r['rank']) for r in ok] == [(1, 0), (1, 1), (48, 0), (48, 1)]
+    ok = [r for r in rows if r['format'] != 'fp8xfp8']
+    for r in ok:
+        assert r['status'] == 'ok', r['note']
+        assert r['fused_us'] == 10.0 + r['rank'] and r['baseline_us'] == 10.0 + r['rank']
+        assert r['fused_timing'] == 'graph' and r['baseline'].startswith('all_to_all + torch')
+        assert r['diff'] < bench.DIFF_WARNING, r
+        x_bytes = 2 * 512 if r['format'] == 'bf16xbf16' else 512 + 4 * 4     # BF16, or E4M3 + 4 scales
+        assert r['nvlink_bytes'] == r['remote_pairs'] * (x_bytes + 2 * 512)
+        assert r['nvlink_gbs'] == pytest.approx(r['nvlink_bytes'] / (r['fused_us'] * 1e3))
+        assert r['tflops'] is not None and r['hbm_gbs'] is not None
+    # Every pair is computed by exactly one rank
+    for n in (1, 48):
+        pairs = sum(r['routed_pairs'] for r in ok if r['n'] == n and r['format'] == 'bf16xbf16')
+        assert 0 < pairs <= 2 * n * 4
+    assert [r['status'] for r in rows if r['format'] == 'fp8xfp8'] == [bench.NOT_BUILT] * 4
+    out = capfd.readouterr().out
+    assert 'NVLink GB/s' in out and '# summary: the slowest of the 2 ranks per row' in out
+    data = json.load(open(path))
+    assert data['ep_processes'] == 2 and data['nvlink_multicast'] == 'off'
+    summary = [r for r in data['rows'] if r['rank'] == 'max']
+    assert [(r['format'], r['n'], r['fused_us']) for r in summary] == [
+        ('bf16xbf16', 1, 11.0), ('bf16xbf16', 48, 11.0), ('fp8xfp8', 1, None), ('fp8xfp8', 48, None),
+        ('fp8xfp4', 1, 11.0), ('fp8xfp4', 48, 11.0)]

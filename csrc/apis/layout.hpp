@@ -19,6 +19,7 @@
 #include <pybind11/pybind11.h>
 
 #include <deep_gemm/common/types.cuh>
+#include <deep_gemm/impls/mega_moe_params.cuh>
 #include <deep_gemm/layout/mega_moe.cuh>
 
 namespace deep_gemm::apis::layout {
@@ -85,6 +86,14 @@ inline MegaMoELayout make_mega_moe_layout(int num_ranks, int num_experts, int nu
     if (intermediate_hidden <= 0 or intermediate_hidden % kScaleGranularity != 0)
         throw_invalid("intermediate_hidden", intermediate_hidden, "a positive multiple of " + std::to_string(kScaleGranularity));
     const MmaType type = check_mma_type(mma_type);
+    // The kernel keeps per-local-expert tables in shared memory and encodes (rank, token, slot) of a
+    // pool row in an int32
+    if (num_experts / num_ranks > kMegaMoEMaxLocalExperts)
+        throw_invalid("num_experts", num_experts, "at most " + std::to_string(kMegaMoEMaxLocalExperts) +
+                      " local experts per rank (num_experts / num_ranks)");
+    if (static_cast<int64_t>(num_ranks) * num_max_tokens_per_rank * num_topk >= (int64_t(1) << 31))
+        throw_invalid("num_max_tokens_per_rank", num_max_tokens_per_rank,
+                      "num_ranks * num_max_tokens_per_rank * num_topk < 2^31");
 
     // The header computes in int64 without overflow checks. Bound every product it forms from above
     // in floating point (each partial product is at most the total, so bounding the total is enough);

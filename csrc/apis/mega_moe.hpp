@@ -23,6 +23,10 @@ inline void register_apis(py::module_& m) {
                   throw std::invalid_argument("buffers: expected 1.." + std::to_string(kMaxRanks) + " peer addresses");
               if (rank < 0 or rank >= static_cast<int>(buffers.size()))
                   throw std::invalid_argument("rank: expected 0 <= rank < " + std::to_string(buffers.size()));
+              // The last line of defence: the kernel writes combine rows for n tokens
+              if (num_tokens < 0 or num_tokens > num_max_tokens_per_rank)
+                  throw std::invalid_argument("num_tokens: expected 0 <= num_tokens <= num_max_tokens_per_rank = " +
+                                              std::to_string(num_max_tokens_per_rank));
               jit_kernels::SM90MegaMoEArgs a{static_cast<MmaType>(mma_type), buffers, rank, num_experts,
                                              num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden, num_tokens,
                                              y, l1_weights, l1_weight_scales, l1_weight_deltas, l2_weights, l2_weight_scales,

@@ -128,7 +128,10 @@ class SymmBuffer:
         status.clear(self)
 
     def _initialize(self) -> None:
-        # Counters and epochs start at 0; inputs hold harmless values (no routed slot) until written
+        # Counters and epochs start at 0; inputs hold harmless values (no routed slot) until written.
+        # The pinned status mirror is made now, not on the first call (which may be inside a CUDA
+        # graph capture).
+        status.host_status(self)
         self.reset()
         self.x.zero_()
         if self.x_sf is not None:

@@ -434,7 +434,7 @@ def _rows_for_all(mma_type: str, shape: MoEShape, tokens: Sequence[int], rank: i
 
 
 def _bench_format_shape(rank: int, world_size: int, mma_type: str, shape: MoEShape, tokens: Sequence[int],
-                        reps: int, flush, seed: int) -> List[Dict[str, Any]]:
+                        reps: int, flush, seed: int, device: torch.device) -> List[Dict[str, Any]]:
     """Every token count of one (format, shape) on this rank; returns every rank's rows (all ranks)."""
     import torch.distributed as dist
 
@@ -444,7 +444,6 @@ def _bench_format_shape(rank: int, world_size: int, mma_type: str, shape: MoESha
     from .moe_case import make_weights
 
     lead = rank == 0
-    device = torch.device('cuda', torch.cuda.current_device())
     start = time.perf_counter()
     mine: List[Dict[str, Any]] = []
     try:
@@ -498,14 +497,15 @@ def bench_ep_rank(rank: int, world_size: int, config: Dict[str, Any]) -> Optiona
     """One rank of the multi-process sweep (a `spawn` / torchrun target).
 
     config: shapes (names of `bench.SHAPES`), formats, tokens, reps, seed, json, plot (paths or
-    None), meta (the JSON's metadata). Rank 0 prints and writes; returns every rank's rows on rank 0,
+    None), meta (the JSON's metadata), optional device (default the current CUDA device; "cpu" for
+    tests with a stand-in kernel). Rank 0 prints and writes; returns every rank's rows on rank 0,
     None on the others.
     """
     from .. import bench
     from .ep_check import allow_cold_jit
     lead = rank == 0
     allow_cold_jit()
-    device = torch.device('cuda', torch.cuda.current_device())
+    device = torch.device(config.get('device') or f'cuda:{torch.cuda.current_device()}')
     flush = L2Flusher(device)
     if lead:
         print(f'# --ep {world_size}: {world_size} processes, one per GPU ({torch.cuda.get_device_name()}), '
@@ -516,7 +516,7 @@ def bench_ep_rank(rank: int, world_size: int, config: Dict[str, Any]) -> Optiona
     for name in config['shapes']:
         for mma_type in config['formats']:
             rows += _bench_format_shape(rank, world_size, mma_type, bench.SHAPES[name], config['tokens'],
-                                        config['reps'], flush, config.get('seed', bench.SEED))
+                                        config['reps'], flush, config.get('seed', bench.SEED), device)
     if not lead:
         return None
     summary = summarize(rows)

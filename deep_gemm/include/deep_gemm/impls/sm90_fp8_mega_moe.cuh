@@ -216,6 +216,9 @@ struct Kernel {
             const int slot = atomicAdd(&counts[e], 1);
             if (slot >= n_max) {                // only possible when a token lists an expert twice
                 report(p, StatusCode::kDuplicateExpert, Phase::kCount, p.rank, i / num_topk, false, sm.ctrl);
+                // Mask it in this buffer's routing copy so the combine skips the slot (its combine row
+                // is never written this call)
+                mine<int64_t>(lay.topk_idx)[i] = -1;
                 continue;
             }
             const int owner = static_cast<int>(e) / lay.num_local_experts, le = static_cast<int>(e) % lay.num_local_experts;
@@ -310,7 +313,16 @@ struct Kernel {
                 if (pos < prefix + c) break;
                 prefix += c;
             }
-            const int token_slot = __ldcg(src_index + (static_cast<int64_t>(le) * num_ranks + src) * n_max + (pos - prefix));
+            int token_slot = __ldcg(src_index + (static_cast<int64_t>(le) * num_ranks + src) * n_max + (pos - prefix));
+            if (token_slot < 0 or token_slot >= n_max * topk) {
+                // Written by a peer: never trusted as an index. Fatal (the call's routing is broken);
+                // the row becomes padding so nothing below reads or writes outside the buffers.
+                if (lane == 0) {
+                    report(p, StatusCode::kBadCount, Phase::kPull, src, pos, true, sm.ctrl);
+                    row_info[g] = -1, row_weight[g] = 0.0f;
+                }
+                continue;
+            }
             const int token = token_slot / topk;
             if (lane == 0) {
                 row_info[g] = src * n_max * topk + token_slot;
@@ -499,6 +511,14 @@ struct Kernel {
         __device__ int row_in_tile(int half) const { return wg * 64 + warp * 16 + lane / 4 + 8 * half; }
     };
 
+    // Per task, once its first stage has landed: an acquire of the counter the producer waited on,
+    // so this thread's own loads of pool scales, row weights and routing written by other CTAs are
+    // ordered after their release (the stage's full barrier alone orders us only behind the
+    // producer, and weight prefetch arms that barrier before the producer's acquire)
+    __device__ void acquire_task_inputs(bool is_l1, int m) const {
+        (void)ld_acquire_gpu(mine<uint32_t>(is_l1 ? lay.mblock_arrival : lay.mblock_l1_done) + m);
+    }
+
     // Wait for a stage's bytes; false when the call was aborted
     __device__ bool wait_full(uint32_t stage_iter) {
         const int s = stage_iter % kNumStages;
@@ -562,6 +582,7 @@ struct Kernel {
                     expand_fp4_tile(stage_iter % kNumStages, kMegaMoEBlockNL1, p.l1_weight_deltas,
                                     static_cast<int64_t>(le) * 2 * lay.intermediate_hidden + j * kMegaMoEBlockNL1, kb, lay.hidden / 32);
                 if (kb == 0) {
+                    acquire_task_inputs(true, m);
                     next_sa0 = __ldcg(a_sf + g0);
                     next_sa1 = __ldcg(a_sf + g1);
                 }
@@ -595,6 +616,7 @@ struct Kernel {
         } else {
             for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
                 if (not wait_full(stage_iter)) return false;
+                if (kb == 0) acquire_task_inputs(true, m);
                 const int s = stage_iter % kNumStages;
                 const uint64_t da = mma::make_k_major_sw128_desc(sm.stage_a(s) + mt.wg * 64 * 128);
                 const uint64_t db = mma::make_k_major_sw128_desc(sm.stage_b(s));
@@ -630,6 +652,7 @@ struct Kernel {
                     expand_fp4_tile(stage_iter % kNumStages, kMegaMoEBlockNL2, p.l2_weight_deltas,
                                     static_cast<int64_t>(le) * lay.hidden + j * kMegaMoEBlockNL2, kb, lay.intermediate_hidden / 32);
                 if (kb == 0) {
+                    acquire_task_inputs(false, m);
                     next_sa0 = __ldcg(a_sf + g0);
                     next_sa1 = __ldcg(a_sf + g1);
                 }
@@ -656,6 +679,7 @@ struct Kernel {
         } else {
             for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
                 if (not wait_full(stage_iter)) return false;
+                if (kb == 0) acquire_task_inputs(false, m);
                 const int s = stage_iter % kNumStages;
                 const uint64_t da = mma::make_k_major_sw128_desc(sm.stage_a(s) + mt.wg * 64 * 128);
                 const uint64_t db = mma::make_k_major_sw128_desc(sm.stage_b(s));
@@ -892,6 +916,14 @@ struct Kernel {
                 setmaxnreg_inc<kMathRegisters<kNumMathWGs>>();
                 math(warp / 4 - 1);
             }
+            // The call's closing barrier: this rank's next call writes counts and source indices into
+            // every peer, so it must not start before every peer has pulled this call's tokens.
+            // combine_ready[q] says rank q's L2 tasks (hence its pulls) are done; a rank with tokens
+            // waits for it in its combine tasks, but a rank with n = 0 has none: one CTA waits here.
+            if (ctrl->first_task == 0 and threadIdx.x < static_cast<unsigned>(lay.num_ranks)) {
+                const auto* flag = mine<uint64_t>(lay.combine_ready) + threadIdx.x;
+                bounded_wait(p, sm.ctrl, Phase::kCombineWait, threadIdx.x, [&] { return ld_acquire_sys(flag) >= epoch; });
+            }
         }
 
         // Leave; the last CTA out resets the per-call counters for the next call on this buffer
@@ -899,7 +931,7 @@ struct Kernel {
         if (threadIdx.x == 0) {
             trace(kTraceExit);
             __threadfence();
-            const uint32_t exited = atomicAdd(control + L::kControlExitedCtas, 1);
+            const uint32_t exited = atom_acq_rel_gpu_add(control + L::kControlExitedCtas, 1);
             ctrl->is_last_cta = exited == gridDim.x - 1;
         }
         __syncthreads();
