@@ -79,10 +79,19 @@ def test_sections_are_ordered_aligned_and_sized(shape, mma_type):
 
 def test_pools_grow_with_tokens_times_topk_not_experts():
     small = get_mega_moe_layout(1, 8, 1024, 8, 1024, 512, 'fp8xfp8')['num_pool_rows']
-    many = get_mega_moe_layout(1, 1024, 1024, 8, 1024, 512, 'fp8xfp8')['num_pool_rows']
-    # 1024 experts x 1024 tokens would be 1M rows: the bound is tokens * topk plus per-expert padding
-    assert many <= 1024 * 8 + 1024 * 127 + 128
+    many = get_mega_moe_layout(1, 512, 1024, 8, 1024, 512, 'fp8xfp8')['num_pool_rows']
+    # 512 experts x 1024 tokens would be 512K rows: the bound is tokens * topk plus per-expert padding
+    assert many <= 1024 * 8 + 512 * 127 + 128
     assert small <= 1024 * 8 + 8 * 127 + 128
+
+
+def test_kernel_limits_are_checked():
+    # shared-memory expert tables hold 512 local experts; (rank, token, slot) of a row fits an int32
+    with pytest.raises(ValueError, match='512 local experts'):
+        get_mega_moe_layout(1, 1024, 16, 8, 256, 128, 'fp8xfp8')
+    assert get_mega_moe_layout(2, 1024, 16, 8, 256, 128, 'fp8xfp8')['num_local_experts'] == 512
+    with pytest.raises(ValueError, match='2\\^31'):
+        get_mega_moe_layout(8, 64, 1 << 25, 8, 256, 128, 'fp8xfp8')
 
 
 def test_mma_type_strings():
@@ -119,8 +128,8 @@ def test_invalid_arguments_are_named(args, name):
 
 
 def test_sizes_that_overflow_are_rejected():
-    # Pool rows past int32
-    with pytest.raises(ValueError, match='int32'):
+    # (rank, token, slot) past int32 (the kernel's row encoding), which also bounds pool rows
+    with pytest.raises(ValueError, match='2\\^31'):
         get_mega_moe_layout(8, 256, 2 ** 30, 8, 128, 128)
     # Bytes past int64 (rows fit int32, but rows * hidden does not fit)
     with pytest.raises(ValueError, match='int64'):
