@@ -249,7 +249,13 @@ def get_symm_buffer_for_mega_moe(group, num_experts: int, num_max_tokens_per_ran
     buffer = symm_mem.empty(num_bytes, dtype=torch.uint8, device=device)
     handle = symm_mem.rendezvous(buffer, group)
     rank = dist.get_rank(group)
-    peer_ptrs = [int(p) for p in handle.buffer_ptrs]
+    # `buffer_ptrs` are the bases of the symmetric allocations, which a pooled allocator may have
+    # carved this buffer from at an offset: the same offset holds on every rank (same sizes, same
+    # allocation order), so shift every peer's base by it
+    offset = buffer.data_ptr() - int(handle.buffer_ptrs[rank])
+    if offset < 0:
+        raise RuntimeError(f'symmetric memory: buffer address below its allocation base (offset {offset})')
+    peer_ptrs = [int(p) + offset for p in handle.buffer_ptrs]
     sym = SymmBuffer(buffer, rank=rank, num_ranks=num_ranks, peer_ptrs=peer_ptrs, group=group,
                      num_experts=num_experts, num_max_tokens_per_rank=num_max_tokens_per_rank, num_topk=num_topk,
                      hidden=hidden, intermediate_hidden=intermediate_hidden, mma_type=mma_type, layout=layout,

@@ -22,23 +22,17 @@
 
 namespace deep_gemm {
 
-// Tile constants shared by every config
+// Tile sizes come from the kernel's own header (deep_gemm/impls/mega_moe_params.cuh); only the
+// heuristic's own bounds live here
 namespace mega_moe_tiles {
-// L1 N-block: 128 gate + 128 up columns, interleaved in the weight layout by
-// `transform_weights_for_mega_moe`, so one thread's accumulators hold both halves of SwiGLU.
-constexpr int kBlockNL1 = 256;
-// L2 N-block (hidden columns of the BF16 output tile)
-constexpr int kBlockNL2 = 128;
 // Threads of one warpgroup
 constexpr int kNumWarpgroupThreads = 128;
 // Rows of an M-block one math warpgroup owns (WGMMA M = 64)
 constexpr int kWarpgroupBlockM = 64;
-// One 128-byte swizzle row of K: 128 FP8 or 64 BF16 elements
-constexpr int kSwizzleBytes = 128;
 // Pipelines shallower than this cannot overlap TMA with WGMMA; deeper ones stop paying off
 constexpr int kMinStages = 2;
 constexpr int kMaxStages = 8;
-// Every Hopper part the kernel targets (H100/H200: 227 KB opt-in per block)
+// Opt-in shared memory per block on every Hopper part the kernel targets (H100/H200: 227 KB)
 constexpr int kSM90MaxSmemBytes = 232448;
 }  // namespace mega_moe_tiles
 
@@ -124,20 +118,19 @@ inline MegaMoEConfig get_mega_moe_config(MmaType mma_type, int num_ranks, int nu
                   "the buffer's pools must be padded for both BLOCK_M choices");
     c.num_math_warpgroups = c.block_m / kWarpgroupBlockM;
     c.num_threads = kNumWarpgroupThreads * (1 + c.num_math_warpgroups);  // warpgroup 0: TMA + dispatch/combine
-    c.block_n_l1 = kBlockNL1;
-    c.block_n_l2 = kBlockNL2;
-    c.block_k = kSwizzleBytes / activation_bytes(mma_type);
+    c.block_n_l1 = kMegaMoEBlockNL1;
+    c.block_n_l2 = kMegaMoEBlockNL2;
+    c.block_k = mega_moe_block_k(mma_type);
 
     // Shared memory, from the kernel's own budget (deep_gemm/impls/mega_moe_params.cuh). Per stage:
     // the A tile (block_m rows x one 128-byte swizzle row of K) and the largest B tile (L1: 256 rows
     // x 128 bytes; L2's 128-row tile fits in it, and so does BF16's 256 x 64 x 2 B). Fixed: the
     // epilogue staging tile (L2's padded BF16 block_m x 128), the barriers / scheduler tables, and
     // 1024 bytes to re-align the dynamic shared-memory base for the 128B-swizzled tiles.
-    c.smem_a_per_stage = c.block_m * kSwizzleBytes;
-    c.smem_b_per_stage = c.block_n_l1 * kSwizzleBytes + mega_moe_packed_b_bytes(mma_type);
+    c.smem_a_per_stage = c.block_m * 128;    // one 128-byte swizzle row of K per row
+    c.smem_b_per_stage = mega_moe_stage_bytes(mma_type, c.block_m) - c.smem_a_per_stage;
     c.smem_epilogue = mega_moe_epilogue_bytes(c.block_m);
     const int per_stage = c.smem_a_per_stage + c.smem_b_per_stage;
-    static_assert(mega_moe_stage_bytes(MmaType::kFP8xFP8, 64) == 64 * kSwizzleBytes + kBlockNL1 * kSwizzleBytes);
     int num_stages = kMaxStages;
     while (num_stages >= kMinStages and mega_moe_smem_bytes(mma_type, c.block_m, num_stages) > max_smem_bytes) --num_stages;
     if (num_stages < kMinStages) {
