@@ -309,12 +309,8 @@ def _first_line(e: BaseException) -> str:
 
 
 def _stage(buf, inp) -> None:
-    n = inp.x_q.shape[0]
-    buf.x[:n].copy_(inp.x_q)
-    if inp.x_sf is not None:
-        buf.x_sf[:n].copy_(inp.x_sf)
-    buf.topk_idx[:n].copy_(inp.topk_idx)
-    buf.topk_weights[:n].copy_(inp.topk_weights)
+    from .moe_case import stage_inputs
+    stage_inputs(buf, inp)
 
 
 def _bench_ep_row(rank: int, world_size: int, mma_type: str, shape: MoEShape, n: int, l1, l2, buf,

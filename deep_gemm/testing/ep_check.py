@@ -119,13 +119,8 @@ def check_peer_table(buf, rank: int, world_size: int) -> None:
         raise EPCheckError(f'peer_ptrs has repeated addresses: {[hex(p) for p in buf.peer_ptrs]}')
 
 
-def _stage(buf, inp: moe_case.RankInputs) -> None:
-    n = inp.x_q.shape[0]
-    buf.x[:n].copy_(inp.x_q)
-    if inp.x_sf is not None:
-        buf.x_sf[:n].copy_(inp.x_sf)
-    buf.topk_idx[:n].copy_(inp.topk_idx)
-    buf.topk_weights[:n].copy_(inp.topk_weights)
+def _stage(buf, inp) -> None:
+    moe_case.stage_inputs(buf, inp)
 
 
 def _poisoned_y(n: int, hidden: int, device) -> torch.Tensor:

@@ -181,6 +181,17 @@ def _reference_lazy(weights: MoEWeights, inp: RankInputs, activation_clamp: Opti
     return out.bfloat16().float()
 
 
+def stage_inputs(buf, inp: RankInputs) -> int:
+    """Copy one rank's already-quantized inputs into its buffer (as a user would); returns n."""
+    n = inp.x_q.shape[0]
+    buf.x[:n].copy_(inp.x_q)
+    if inp.x_sf is not None:
+        buf.x_sf[:n].copy_(inp.x_sf)
+    buf.topk_idx[:n].copy_(inp.topk_idx)
+    buf.topk_weights[:n].copy_(inp.topk_weights)
+    return n
+
+
 def run_ranks(weights: MoEWeights, inputs: List[RankInputs], buffers, activation_clamp=None, stats=None,
               poison=True, streams: Optional[VirtualRankStreams] = None) -> List[torch.Tensor]:
     """Stage every rank's inputs, launch every rank on its own stream, return the y's (synchronized)."""
@@ -188,12 +199,7 @@ def run_ranks(weights: MoEWeights, inputs: List[RankInputs], buffers, activation
           'fp8xfp4': mega_api.fp8_fp4_mega_moe}[weights.mma_type]
     ys = []
     for buf, inp in zip(buffers, inputs):
-        n = inp.x_q.shape[0]
-        buf.x[:n].copy_(inp.x_q)
-        if inp.x_sf is not None:
-            buf.x_sf[:n].copy_(inp.x_sf)
-        buf.topk_idx[:n].copy_(inp.topk_idx)
-        buf.topk_weights[:n].copy_(inp.topk_weights)
+        n = stage_inputs(buf, inp)
         y = torch.empty(n, buf.hidden, dtype=torch.bfloat16, device=buf.device)
         if poison:
             y.fill_(float('nan'))
