@@ -4,6 +4,7 @@ CPU tests always run; tests that need nvcc or a Hopper GPU ask for the `requires
 `requires_sm90` fixtures and skip with a reason when those are missing.
 """
 import os
+import shutil
 import sys
 
 import pytest
@@ -23,6 +24,20 @@ def nvcc_path():
         return os.environ['DG_NVCC']
     home = find_cuda_home()
     return os.path.join(home, 'bin', 'nvcc') if home else None
+
+
+def cuobjdump_path():
+    """A cuobjdump: the CUDA toolkit's, one on PATH, or the nvidia-cuda-cuobjdump wheel's; or None."""
+    candidates = [shutil.which('cuobjdump')]
+    home = find_cuda_home()
+    if home:
+        candidates.append(os.path.join(home, 'bin', 'cuobjdump'))
+    try:
+        import nvidia.cu13
+        candidates += [os.path.join(d, 'bin', 'cuobjdump') for d in nvidia.cu13.__path__]
+    except ImportError:
+        pass
+    return next((c for c in candidates if c and os.path.isfile(c)), None)
 
 
 def sm90_gpu_available() -> bool:

@@ -16,7 +16,7 @@ import pytest
 import deep_gemm.jit as jit
 from deep_gemm import _C
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, cuobjdump_path
 
 # A small but real kernel: it includes the buffer layout header and uses Hopper-only instructions
 # (wgmma.fence, setmaxnreg), which ptxas rejects for every target but sm_90a.
@@ -50,15 +50,6 @@ def _cubin(kernel_dir: str) -> bytes:
         return f.read()
 
 
-def _cuobjdump():
-    candidates = ['/usr/local/cuda-13.0/bin/cuobjdump', shutil.which('cuobjdump')]
-    from deep_gemm.cuda_home import find_cuda_home
-    home = find_cuda_home()
-    if home:
-        candidates.append(os.path.join(home, 'bin', 'cuobjdump'))
-    return next((c for c in candidates if c and os.path.isfile(c)), None)
-
-
 def _run_python(code: str, env_updates: dict) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=REPO_ROOT, **env_updates)
     return subprocess.run([sys.executable, '-c', textwrap.dedent(code)], cwd=REPO_ROOT, env=env,
@@ -86,7 +77,7 @@ def test_compile_sm90a_kernel_and_cache_hit(requires_nvcc, jit_cache_dir):
     with open(os.path.join(kernel_dir, 'kernel.cu')) as f:
         assert f.read() == SMOKE_KERNEL
 
-    cuobjdump = _cuobjdump()
+    cuobjdump = cuobjdump_path()
     if cuobjdump is not None:
         out = subprocess.run([cuobjdump, '--dump-sass', os.path.join(kernel_dir, 'kernel.cubin')],
                              capture_output=True, text=True, check=True).stdout
