@@ -33,8 +33,9 @@ inline void register_apis(py::module_& m) {
                                              l2_weight_deltas, stats,
                                              host_status, trace, stream, activation_clamp, fast_math, timeout_s, num_sms,
                                              max_smem_bytes};
-              const auto config = jit_kernels::launch_sm90_mega_moe(a);
-              return config.to_string();
+              // Nothing is returned: formatting the config on every call would cost host time
+              // (DG_PRINT_CONFIGS prints each distinct one once)
+              jit_kernels::launch_sm90_mega_moe(a);
           },
           py::arg("mma_type"), py::arg("buffers"), py::arg("rank"), py::arg("num_experts"),
           py::arg("num_max_tokens_per_rank"), py::arg("num_topk"), py::arg("hidden"), py::arg("intermediate_hidden"),
@@ -42,8 +43,7 @@ inline void register_apis(py::module_& m) {
           py::arg("l2_weights"), py::arg("l2_weight_scales"), py::arg("l2_weight_deltas"), py::arg("stats"), py::arg("host_status"), py::arg("trace"), py::arg("stream"),
           py::arg("activation_clamp"), py::arg("fast_math"), py::arg("timeout_s"), py::arg("num_sms"),
           py::arg("max_smem_bytes"),
-          "Launch one rank's Mega MoE kernel (addresses as ints; validated by deep_gemm.mega.api). "
-          "Returns the config string.");
+          "Launch one rank's Mega MoE kernel (addresses as ints; validated by deep_gemm.mega.api).");
 
     m.def("launch_mega_moe_stage",
           [](int mma_type, int num_ranks, int num_experts, int num_max_tokens_per_rank, int num_topk, int hidden,
