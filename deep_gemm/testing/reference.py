@@ -18,7 +18,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from ..utils.quant import FP8_SCALE_GROUP, dequant_per_token_fp8, per_token_cast_to_fp8
+from ..utils.quant import FP8_SCALE_GROUP, _check_tensor, dequant_per_token_fp8, per_token_cast_to_fp8
 
 __all__ = ["MMA_TYPES", "reference_moe", "reference_moe_emulated", "calc_diff"]
 
@@ -29,12 +29,6 @@ MMA_TYPES: Tuple[str, ...] = ("fp8xfp8", "fp8xfp4", "bf16xbf16")
 # --------------------------------------------------------------------------------------------------
 # Validation
 # --------------------------------------------------------------------------------------------------
-
-def _check_tensor(t: object, name: str) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    return t
-
 
 def _check_float(t: object, name: str, dim: int) -> torch.Tensor:
     t = _check_tensor(t, name)
