@@ -210,6 +210,21 @@ def test_symm_buffer_repr_and_pending_methods():
     assert (info.value.code, info.value.phase, info.value.rank, info.value.cta) == (1, 5, 3, 17) and info.value.fatal
     buf.reset()
     buf.check()
+    # A non-fatal error (bad expert id at token 9): clear_error() forgets it and keeps the counters
+    control = buf.workspace[buf.layout['control'][0]:buf.layout['control'][0] + 4].view(torch.int32)
+    control[0] = 5                   # epoch: 5 calls done
+    status[0] = 2 | (7 << 8) | (9 << 40)
+    with pytest.raises(deep_gemm.MegaMoEError, match='expert id.*token 9.*clear_error'):
+        buf.check()
+    buf.clear_error()
+    buf.check()
+    assert int(control[0]) == 5
+    # A fatal one asks for reset() on every rank
+    status[0], status[1] = 5 | (1 << 8) | (2 << 16), 1
+    with pytest.raises(deep_gemm.MegaMoEError, match='out of step.*reset\\(\\) on every rank'):
+        buf.check()
+    buf.reset()
+    assert int(control[0]) == 0
     # stage(): arguments are validated first (naming the argument), then it needs a GPU
     x = torch.randn(3, 256).bfloat16()
     idx, w = torch.randint(0, 8, (3, 2)), torch.rand(3, 2)

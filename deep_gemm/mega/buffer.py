@@ -139,6 +139,15 @@ class SymmBuffer:
         self.topk_idx.fill_(-1)
         self.topk_weights.zero_()
 
+    def clear_error(self) -> None:
+        """Forget a non-fatal error (bad expert id, duplicate expert) on this rank only.
+
+        The call that recorded it completed and left the workspace consistent, so the counters and
+        the epoch are kept and the group stays in step. After a fatal error (timeout, corrupted
+        counts, ranks out of step) use `reset()` on every rank instead.
+        """
+        status.clear(self, status_words=True)
+
     def check(self) -> None:
         """Raise `MegaMoEError` if a call on this buffer recorded an error (stalled peer, bad expert id).
 

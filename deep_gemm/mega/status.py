@@ -16,7 +16,8 @@ from typing import Optional
 import torch
 
 CODES = {1: 'timeout', 2: 'expert id outside [-1, num_experts)', 3: 'corrupted receive count',
-         4: 'a token lists the same expert more than once'}
+         4: 'a token lists the same expert more than once',
+         5: 'ranks out of step (a peer is two or more calls ahead: reset() ran on some ranks only)'}
 PHASES = {0: 'none', 1: 'waiting for receive counts', 2: 'pull', 3: 'L1 waiting for its M-block tokens',
           4: 'L2 waiting for L1 of its M-block', 5: 'combine waiting for peers', 6: 'pipeline', 7: 'count'}
 
@@ -59,6 +60,9 @@ class MegaMoEError(RuntimeError):
                    f'the output of that token is incomplete)')
         else:
             msg = f'Mega MoE rank {own_rank}: {what} in phase "{phase}" (rank {self.rank}, detail {self.detail})'
+        # Recovery: a non-fatal error left the buffer consistent; a fatal one stopped the call midway
+        msg += (' Call reset() on every rank of the group before the next call.' if fatal and self.code != 1
+                else '' if fatal else ' The call completed: clear_error() on this rank to continue.')
         super().__init__(msg)
 
 
@@ -89,8 +93,12 @@ def raise_if_failed(buffer, sync: bool = False) -> None:
         raise MegaMoEError(word & 0xFFFFFFFFFFFFFFFF, buffer.rank, bool(fatal))
 
 
-def clear(buffer) -> None:
-    """Forget recorded errors (part of `SymmBuffer.reset()`)."""
+def clear(buffer, status_words: bool = False) -> None:
+    """Forget recorded errors: the host mirror, and with `status_words` the device status words
+    (`SymmBuffer.clear_error()`; `reset()` zeroes the whole workspace instead)."""
+    if status_words:
+        offset = buffer.layout['status'][0]
+        buffer.workspace[offset:offset + buffer.layout['status'][1]].zero_()
     mirror = getattr(buffer, '_host_status', None)
     if mirror is not None:
         mirror.zero_()

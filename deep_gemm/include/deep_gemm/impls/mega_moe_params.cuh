@@ -13,7 +13,10 @@ namespace deep_gemm {
 // Status word (workspace status[kStatusError]): the first error of a call, 0 = ok.
 //   bits  0..7   code        bits 8..15  phase       bits 16..23 rank (the peer waited on, or own)
 //   bits 24..39  CTA index   bits 40..63 detail (token index, count, ...)
-enum class StatusCode : uint32_t { kOk = 0, kTimeout = 1, kBadExpertId = 2, kBadCount = 3, kDuplicateExpert = 4 };
+enum class StatusCode : uint32_t {
+    kOk = 0, kTimeout = 1, kBadExpertId = 2, kBadCount = 3, kDuplicateExpert = 4,
+    kEpochMismatch = 5,   // a peer is two or more calls ahead: ranks were reset (or called) unevenly
+};
 enum class Phase : uint32_t {
     kNone = 0, kRecvCounts = 1, kPull = 2, kL1Wait = 3, kL2Wait = 4, kCombineWait = 5, kPipeline = 6, kCount = 7
 };

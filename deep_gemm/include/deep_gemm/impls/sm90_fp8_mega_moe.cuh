@@ -248,7 +248,15 @@ struct Kernel {
                 return (v >> 32) >= epoch;
             });
             if (not ok) break;
-            if ((v >> 32) > epoch) { sm.ctrl->late = 1; break; }
+            if ((v >> 32) > epoch) {
+                // One call ahead: that peer finished this call, so this CTA has nothing left to do.
+                // Two or more: impossible in lockstep (a peer cannot finish call c + 1 before this
+                // rank signals it), so the ranks' epochs diverged (reset() on some ranks only)
+                if ((v >> 32) > epoch + 1)
+                    report(p, StatusCode::kEpochMismatch, Phase::kRecvCounts, i % num_ranks, v >> 32, true, sm.ctrl);
+                sm.ctrl->late = 1;
+                break;
+            }
             const uint32_t count = static_cast<uint32_t>(v);
             if (count > static_cast<uint32_t>(lay.num_max_tokens_per_rank)) {
                 report(p, StatusCode::kBadCount, Phase::kRecvCounts, i % num_ranks, count, true, sm.ctrl);
