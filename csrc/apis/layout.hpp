@@ -168,6 +168,26 @@ inline void register_apis(pybind11::module_& m) {
           py::arg("hidden"), py::arg("intermediate_hidden"), py::arg("mma_type"),
           "Bytes of one rank's Mega MoE symmetric buffer (same arguments as get_mega_moe_layout).");
     m.attr("kMaxRanks") = kMaxRanks;
+    // The status words' slots and codes, so that deep_gemm/mega/status.py decodes what the kernel wrote
+    m.attr("kStatusError") = buffer_layout::kStatusError;
+    m.attr("kStatusAbort") = buffer_layout::kStatusAbort;
+    m.attr("kNumStatusWords") = buffer_layout::kNumStatusWords;
+    py::dict codes, phases;
+    codes["timeout"] = static_cast<int>(StatusCode::kTimeout);
+    codes["bad_expert_id"] = static_cast<int>(StatusCode::kBadExpertId);
+    codes["bad_count"] = static_cast<int>(StatusCode::kBadCount);
+    codes["duplicate_expert"] = static_cast<int>(StatusCode::kDuplicateExpert);
+    codes["epoch_mismatch"] = static_cast<int>(StatusCode::kEpochMismatch);
+    phases["none"] = static_cast<int>(Phase::kNone);
+    phases["recv_counts"] = static_cast<int>(Phase::kRecvCounts);
+    phases["pull"] = static_cast<int>(Phase::kPull);
+    phases["l1_wait"] = static_cast<int>(Phase::kL1Wait);
+    phases["l2_wait"] = static_cast<int>(Phase::kL2Wait);
+    phases["combine_wait"] = static_cast<int>(Phase::kCombineWait);
+    phases["pipeline"] = static_cast<int>(Phase::kPipeline);
+    phases["count"] = static_cast<int>(Phase::kCount);
+    m.attr("STATUS_CODES") = codes;
+    m.attr("STATUS_PHASES") = phases;
     m.attr("kMegaMoESectionAlignment") = buffer_layout::kSectionAlignment;
 }
 

@@ -15,11 +15,19 @@ from typing import Optional
 
 import torch
 
-CODES = {1: 'timeout', 2: 'expert id outside [-1, num_experts)', 3: 'corrupted receive count',
-         4: 'a token lists the same expert more than once',
-         5: 'ranks out of step (a peer is two or more calls ahead: reset() ran on some ranks only)'}
-PHASES = {0: 'none', 1: 'waiting for receive counts', 2: 'pull', 3: 'L1 waiting for its M-block tokens',
-          4: 'L2 waiting for L1 of its M-block', 5: 'combine waiting for peers', 6: 'pipeline', 7: 'count'}
+from .. import _C
+
+# Numeric codes, phases and slots come from the kernel's header through _C (one definition)
+_CODE = dict(_C.STATUS_CODES)
+_PHASE = dict(_C.STATUS_PHASES)
+CODES = {_CODE['timeout']: 'timeout', _CODE['bad_expert_id']: 'expert id outside [-1, num_experts)',
+         _CODE['bad_count']: 'corrupted receive count',
+         _CODE['duplicate_expert']: 'a token lists the same expert more than once',
+         _CODE['epoch_mismatch']: 'ranks out of step (a peer is two or more calls ahead: reset() ran on some ranks only)'}
+PHASES = {_PHASE['none']: 'none', _PHASE['recv_counts']: 'waiting for receive counts', _PHASE['pull']: 'pull',
+          _PHASE['l1_wait']: 'L1 waiting for its M-block tokens', _PHASE['l2_wait']: 'L2 waiting for L1 of its M-block',
+          _PHASE['combine_wait']: 'combine waiting for peers', _PHASE['pipeline']: 'pipeline', _PHASE['count']: 'count'}
+_ERROR, _ABORT = _C.kStatusError, _C.kStatusAbort
 
 _timeout_s: Optional[float] = None
 
@@ -52,16 +60,16 @@ class MegaMoEError(RuntimeError):
         self.fatal = fatal
         what = CODES.get(self.code, f'unknown error code {self.code}')
         phase = PHASES.get(self.phase, f'phase {self.phase}')
-        if self.code == 1:
+        if self.code == _CODE['timeout']:
             msg = (f'Mega MoE rank {own_rank}: timeout in phase "{phase}" waiting for rank {self.rank} '
                    f'(CTA {self.cta}); a peer stalled or was never launched. Call reset() on every rank.')
-        elif self.code in (2, 4):
+        elif self.code in (_CODE['bad_expert_id'], _CODE['duplicate_expert']):
             msg = (f'Mega MoE rank {own_rank}: {what} at token {self.detail} (the slot was skipped, '
                    f'the output of that token is incomplete)')
         else:
             msg = f'Mega MoE rank {own_rank}: {what} in phase "{phase}" (rank {self.rank}, detail {self.detail})'
         # Recovery: a non-fatal error left the buffer consistent; a fatal one stopped the call midway
-        msg += (' Call reset() on every rank of the group before the next call.' if fatal and self.code != 1
+        msg += (' Call reset() on every rank of the group before the next call.' if fatal and self.code != _CODE['timeout']
                 else '' if fatal else ' The call completed: clear_error() on this rank to continue.')
         super().__init__(msg)
 
@@ -70,7 +78,7 @@ def host_status(buffer) -> Optional[torch.Tensor]:
     """The pinned [2] int64 mirror of `buffer`'s status words (created on first use; GPU only)."""
     mirror = getattr(buffer, '_host_status', None)
     if mirror is None and buffer.device.type == 'cuda':
-        mirror = torch.zeros(2, dtype=torch.int64, pin_memory=True)
+        mirror = torch.zeros(_C.kNumStatusWords, dtype=torch.int64, pin_memory=True)
         buffer._host_status = mirror
     return mirror
 
@@ -85,10 +93,11 @@ def raise_if_failed(buffer, sync: bool = False) -> None:
     mirror = getattr(buffer, '_host_status', None)
     if sync:
         torch.cuda.synchronize(buffer.device) if buffer.device.type == 'cuda' else None
-        device_words = buffer.workspace[buffer.layout['status'][0]:buffer.layout['status'][0] + 16].view(torch.int64)
-        word, fatal = int(device_words[0]), int(device_words[1])
+        offset, num_bytes = buffer.layout['status']
+        device_words = buffer.workspace[offset:offset + num_bytes].view(torch.int64)
+        word, fatal = int(device_words[_ERROR]), int(device_words[_ABORT])
     if not word and mirror is not None:
-        word, fatal = int(mirror[0]), int(mirror[1])
+        word, fatal = int(mirror[_ERROR]), int(mirror[_ABORT])
     if word:
         raise MegaMoEError(word & 0xFFFFFFFFFFFFFFFF, buffer.rank, bool(fatal))
 

@@ -181,15 +181,21 @@ def per_block_cast_to_fp8(w: torch.Tensor, *, check_finite: bool = True) -> Tupl
     return q.reshape(w.shape), sf.reshape(*lead, mb, kb).contiguous()
 
 
-def _check_fp8_pair(q: object, sf: object, q_name: str, sf_name: str) -> Tuple[torch.Tensor, torch.Tensor]:
+def _check_pair(q: object, sf: object, q_name: str, sf_name: str, q_dtype: torch.dtype, q_what: str,
+                sf_dtype: torch.dtype, sf_what: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Quantized values and their scales: tensors of the expected dtypes on one device."""
     q, sf = _check_tensor(q, q_name), _check_tensor(sf, sf_name)
-    if q.dtype != torch.float8_e4m3fn:
-        raise TypeError(f"{q_name} must be torch.float8_e4m3fn, got {q.dtype}")
-    if sf.dtype != torch.float32:
-        raise TypeError(f"{sf_name} must be float32, got {sf.dtype}")
+    if q.dtype != q_dtype:
+        raise TypeError(f"{q_name} must be {q_what}, got {q.dtype}")
+    if sf.dtype != sf_dtype:
+        raise TypeError(f"{sf_name} must be {sf_what}, got {sf.dtype}")
     if q.device != sf.device:
         raise ValueError(f"{q_name} ({q.device}) and {sf_name} ({sf.device}) must be on the same device")
     return q, sf
+
+
+def _check_fp8_pair(q: object, sf: object, q_name: str, sf_name: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    return _check_pair(q, sf, q_name, sf_name, torch.float8_e4m3fn, "torch.float8_e4m3fn", torch.float32, "float32")
 
 
 def dequant_per_token_fp8(x_fp8: torch.Tensor, sf: torch.Tensor) -> torch.Tensor:
@@ -327,13 +333,7 @@ def dequant_mxfp4(packed: torch.Tensor, sf: torch.Tensor) -> torch.Tensor:
         s = 253 with a value >= 4): `cast_to_mxfp4` produces that only for float32 groups with
         amax >= 3.5 * 2^126 (~3e38).
     """
-    packed, sf = _check_tensor(packed, "packed"), _check_tensor(sf, "sf")
-    if packed.dtype != torch.uint8:
-        raise TypeError(f"packed must be uint8, got {packed.dtype}")
-    if sf.dtype != torch.uint8:
-        raise TypeError(f"sf must be uint8 (UE8M0), got {sf.dtype}")
-    if packed.device != sf.device:
-        raise ValueError(f"packed ({packed.device}) and sf ({sf.device}) must be on the same device")
+    packed, sf = _check_pair(packed, sf, "packed", "sf", torch.uint8, "uint8", torch.uint8, "uint8 (UE8M0)")
     if packed.dim() < 1:
         raise ValueError("packed must have at least 1 dim")
     k = packed.shape[-1] * 2

@@ -64,10 +64,10 @@ __device__ __forceinline__ void report(const MegaMoEParams& p, StatusCode code, 
     auto* status = p.layout.get_ptr<unsigned long long>(p.buffers[p.rank], p.layout.status);
     const uint64_t word = make_status(code, phase, rank, blockIdx.x, detail);
     if (atomicCAS(&status[L::kStatusError], 0ull, word) == 0ull and p.host_status != nullptr)
-        *reinterpret_cast<volatile uint64_t*>(p.host_status) = word;
+        reinterpret_cast<volatile uint64_t*>(p.host_status)[L::kStatusError] = word;   // mirror: same slots
     if (fatal) {
         atomicExch(&status[L::kStatusAbort], 1ull);
-        if (p.host_status != nullptr) reinterpret_cast<volatile uint64_t*>(p.host_status)[1] = 1;
+        if (p.host_status != nullptr) reinterpret_cast<volatile uint64_t*>(p.host_status)[L::kStatusAbort] = 1;
         if (ctrl != nullptr) *reinterpret_cast<volatile int*>(&ctrl->abort) = 1;
     }
     __threadfence_system();
