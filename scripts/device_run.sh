@@ -13,7 +13,7 @@ export PYTHONUNBUFFERED=1
 export DG_JIT_CACHE_DIR=$PWD/.jit_cache
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    > "$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
+    > /tmp/pip.log 2>&1 || { cat /tmp/pip.log; exit 1; }
 export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
 # Build _C with the compiler that matches the libstdc++ Python loads (the image's default g++ is
@@ -30,13 +30,19 @@ status=${PIPESTATUS[0]}
 echo "tests took $(( $(date +%s) - start )) s, exit $status"
 if [ "${DG_RUN_SANITIZER:-0}" = "1" ]; then
     # memcheck: a normal call and one with out-of-range expert ids; racecheck: shared memory races
+    # (one log file: the device returns at most 8 files)
     for args in "" "--bad-ids" "--ranks 2"; do
-        timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/one_launch.py $args \
-            > "$OUT/memcheck$(echo $args | tr -d ' -').log" 2>&1
-        echo "memcheck [$args]: exit $? $(grep -E 'ERROR SUMMARY|calc_diff' "$OUT/memcheck$(echo $args | tr -d ' -').log" | tr '\n' ' ')"
+        timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/one_launch.py $args > /tmp/san.log 2>&1
+        rc=$?
+        { echo "=== memcheck [$args]: exit $rc"; cat /tmp/san.log; } >> "$OUT/sanitizer.log"
+        echo "memcheck [$args]: exit $rc $(grep -E 'ERROR SUMMARY|calc_diff' /tmp/san.log | tr '\n' ' ')"
+        [ $rc = 0 ] || grep -m 40 -E '=========' /tmp/san.log
     done
-    timeout 300 compute-sanitizer --tool racecheck --error-exitcode 9 python3 scripts/one_launch.py --sms 2 > "$OUT/racecheck.log" 2>&1
-    echo "racecheck: exit $? $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY|calc_diff' "$OUT/racecheck.log" | tr '\n' ' ')"
+    timeout 300 compute-sanitizer --tool racecheck --error-exitcode 9 python3 scripts/one_launch.py --sms 2 > /tmp/san.log 2>&1
+    rc=$?
+    { echo "=== racecheck: exit $rc"; cat /tmp/san.log; } >> "$OUT/sanitizer.log"
+    echo "racecheck: exit $rc $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY|calc_diff' /tmp/san.log | tr '\n' ' ')"
+    [ $rc = 0 ] || grep -m 40 -E '=========' /tmp/san.log
 fi
 if [ "${DG_RUN_BENCH:-0}" = "1" ]; then
     python3 -m deep_gemm.bench --quick --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench.log" | tail -40

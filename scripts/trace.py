@@ -13,7 +13,7 @@ from deep_gemm import _C
 from deep_gemm.testing import moe_case as mc
 
 SLOTS = ['start', 'counted', 'layout', 'pull end', 'L1 begin', 'L1 end', 'L2 begin', 'L2 end',
-         'combine ready', 'combine end', 'exit']
+         'combine ready', 'combine end', 'exit', 'pull begin', 'L1 1st stage']
 
 
 def trace_case(fmt, h, i, e, k, n, reps=3):
@@ -49,7 +49,8 @@ if __name__ == '__main__':
     warm_up_gpu()
     if len(sys.argv) > 1:
         a = sys.argv[1:]
-        trace_case(a[0], *map(int, a[1:6]))
+        for c in range(0, len(a), 6):   # groups of: fmt hidden inter experts topk n
+            trace_case(a[c], *map(int, a[c + 1:c + 6]))
     else:
         for fmt in ('fp8xfp8',):
             trace_case(fmt, 2048, 768, 128, 8, 1)

@@ -129,6 +129,15 @@ def test_untransformed_fp4_weights_rejected():
     case.reject(TypeError, 'transform_weights_for_mega_moe', l1_weights=raw)
 
 
+def test_fp4_row_major_delta_rejected():
+    # The kernel takes deltas as one 512-byte block per 128x128 weight block, not row-major [E, N, K/32]
+    from deep_gemm.mega.transform import _deltas_from_kernel_blocks
+    case = Case('fp8xfp4')
+    row_major = _deltas_from_kernel_blocks(case.l1[1])
+    case.reject(ValueError, r'l1_weights delta must have shape \[4, 2, 2, 512\], got \[4, 256, 8\]',
+                l1_weights=(case.l1[0], row_major, case.l1[2]))
+
+
 def test_weights_wrong_dtype(case):
     if case.mma_type == 'bf16xbf16':
         case.reject(TypeError, r'l1_weights must be torch\.bfloat16', l1_weights=case.l1.float())

@@ -24,14 +24,18 @@ def expected_smem(mma_type, block_m, stages):
     # the epilogue tile of block_m BF16 rows of 128 columns padded by 16 bytes; the control block
     # (2 mbarriers per stage, a 4-slot task ring of 2 mbarriers + an int each, 2 x 512 + 1 ints of
     # expert tables, 64 bytes of scalars, the 256-byte FP4 expansion table) rounded up to 1 KB; 1 KB
-    # to re-align the base.
+    # to re-align the base. FP8 activations add per stage the M-block's scales (block_m floats) and
+    # per math warpgroup the task's weight scales (2 x 128 K-blocks of floats); FP4 adds per stage
+    # the B tile's exponent deltas (256 rows x 4 bytes).
     block_k = 64 if mma_type == 'bf16xbf16' else 128
     elem = 2 if mma_type == 'bf16xbf16' else 1
-    a = block_m * block_k * elem
-    b = 256 * block_k * elem + (256 * 64 if mma_type == 'fp8xfp4' else 0)   # + packed E2M1 staging
+    fp8 = mma_type != 'bf16xbf16'
+    a = block_m * block_k * elem + (block_m * 4 if fp8 else 0)
+    b = 256 * block_k * elem + (256 * 64 + 256 * 4 if mma_type == 'fp8xfp4' else 0)   # + packed E2M1 staging
     epilogue = block_m * (128 * 2 + 16)
+    weight_scales = (block_m // 64) * 2 * 128 * 4 if fp8 else 0
     control = -(-(stages * 16 + 4 * 20 + (2 * 512 + 1) * 4 + 64 + 256) // 1024) * 1024
-    return stages * (a + b) + epilogue + control + 1024
+    return stages * (a + b) + epilogue + weight_scales + control + 1024
 
 
 def test_decode_picks_block_m_64_and_prefill_128():
@@ -75,8 +79,8 @@ def test_stages_are_the_most_that_fit(mma_type, num_tokens, max_smem):
 
 
 def test_h200_stage_counts():
-    # 232448 bytes: block_m 64 -> 5 x 40960 + 17408 + 5120 + 1024 = 228352 fits (6 would not);
-    # block_m 128 -> 3 x 49152 + 34816 + 5120 + 1024 = 188416 (4 stages would need 237568).
+    # 232448 bytes, FP8: block_m 64 -> 5 x (40960 + 256) + 17408 + 1024 + 5120 + 1024 = 230656 fits
+    # (6 would not); block_m 128 -> 3 x (49152 + 512) + 34816 + 2048 + 5120 + 1024 = 192000 (4 would need 241664).
     # FP8 x FP4 stages hold 16 KB more (the packed tile): 3 and 2 stages.
     for mma_type in MMA_TYPES:
         fp4 = mma_type == 'fp8xfp4'

@@ -167,8 +167,8 @@ def test_fp4_format_and_round_trip():
     for t, (w, sf) in ((t1, l1), (t2, l2)):
         assert len(t) == 3
         assert t[0].dtype == torch.uint8 and t[0].shape == w.shape
-        assert t[1].dtype == torch.uint8 and t[1].shape == sf.shape and int(t[1].max()) <= 14
         n, k = w.shape[1], w.shape[2] * 2
+        assert t[1].dtype == torch.uint8 and t[1].shape == (E, n // 128, k // 128, 512) and int(t[1].max()) <= 14
         assert t[2].dtype == torch.float32 and t[2].shape == (E, n // 128, k // 128)
         assert all(x.is_contiguous() for x in t)
     assert_interleaved(l1[0], t1[0], 128)
@@ -197,11 +197,59 @@ def test_fp4_block_scale_and_delta_values():
     # Undo the interleave (block rows [g0, u0, g1, u1] -> [g0, g1, u0, u1]) and recompute from the scales
     nb, kb = 2 * I // 128, H // 128
     scale = t1[2].reshape(E, nb // 2, 2, kb).transpose(1, 2).reshape(E, nb, kb)
-    delta = t1[1].reshape(E, nb // 2, 2, 128, H // 32).transpose(1, 2).reshape(E, 2 * I, H // 32)
+    # Kernel deltas [E, NB, KB, 512], byte r * 4 + g = row r, group g of the block: same block-row undo
+    delta = t1[1].reshape(E, nb // 2, 2, kb, 128, 4).transpose(1, 2).reshape(E, nb, kb, 128, 4)
     base = sf1.to(torch.int32).reshape(E, nb, 128, kb, 4).amax(dim=(2, 4))
     assert torch.equal(scale, torch.exp2(base.double() - 133).float())
     expected_delta = base[:, :, None, :, None] - sf1.to(torch.int32).reshape(E, nb, 128, kb, 4)
-    assert torch.equal(delta.to(torch.int32), expected_delta.reshape(E, 2 * I, H // 32))
+    assert torch.equal(delta.to(torch.int32), expected_delta.permute(0, 1, 3, 2, 4))
+
+
+def test_fp4_delta_kernel_layout():
+    # The defining property on random row-major deltas: new[e, nb, kb, r * 4 + g] == old[e, nb * 128 + r, kb * 4 + g]
+    from deep_gemm.mega.transform import _deltas_from_kernel_blocks, _deltas_to_kernel_blocks
+    e, n, k = 3, 384, 512
+    old = torch.randint(0, 256, (e, n, k // 32), generator=gen(43), dtype=torch.uint8)
+    new = _deltas_to_kernel_blocks(old)
+    assert new.dtype == torch.uint8 and new.shape == (e, n // 128, k // 128, 512) and new.is_contiguous()
+    ei, nb, kb, r, g = torch.meshgrid(torch.arange(e), torch.arange(n // 128), torch.arange(k // 128),
+                                      torch.arange(128), torch.arange(4), indexing='ij')
+    assert torch.equal(new[ei, nb, kb, r * 4 + g], old[ei, nb * 128 + r, kb * 4 + g])
+    # Spot checks by hand, and the inverse
+    assert new[2, 1, 3, 127 * 4 + 3] == old[2, 255, 15] and new[0, 2, 1, 5 * 4 + 2] == old[0, 261, 6]
+    assert torch.equal(_deltas_from_kernel_blocks(new), old)
+
+    # The transform's deltas follow it: l2 rows as is, l1 rows interleaved first, then blocked
+    (w1, sf1), (w2, sf2) = fp4_pair(seed=47)
+    t1, t2 = transform_weights_for_mega_moe((w1, sf1), (w2, sf2))
+    for t, sf, interleaved in ((t1, sf1, True), (t2, sf2, False)):
+        rows_first = sf.to(torch.int32)
+        if interleaved:
+            half = rows_first.shape[1] // 2
+            rows_first = torch.cat([torch.cat([rows_first[:, j * 128:(j + 1) * 128],
+                                               rows_first[:, half + j * 128:half + (j + 1) * 128]], dim=1)
+                                    for j in range(half // 128)], dim=1)
+        nb_, kb_ = rows_first.shape[1] // 128, rows_first.shape[2] // 4
+        base = rows_first.reshape(E, nb_, 128, kb_, 4).amax(dim=(2, 4))
+        old_layout = (base.repeat_interleave(128, dim=1).repeat_interleave(4, dim=2) - rows_first).clamp(max=15)
+        ei, nb, kb, r, g = torch.meshgrid(torch.arange(E), torch.arange(nb_), torch.arange(kb_),
+                                          torch.arange(128), torch.arange(4), indexing='ij')
+        assert torch.equal(t[1][ei, nb, kb, r * 4 + g].to(torch.int32), old_layout[ei, nb * 128 + r, kb * 4 + g])
+    # The round trip still reproduces the input
+    r1, r2 = inverse_transform_weights_for_mega_moe(t1, t2)
+    assert_same(r1, (w1, sf1))
+    assert_same(r2, (w2, sf2))
+
+
+def test_fp4_old_delta_layout_rejected():
+    (w1, sf1), (w2, sf2) = fp4_pair(seed=53)
+    t1, t2 = transform_weights_for_mega_moe((w1, sf1), (w2, sf2))
+    from deep_gemm.mega.transform import _deltas_from_kernel_blocks
+    old_style = (t2[0], _deltas_from_kernel_blocks(t2[1]), t2[2])   # row-major [E, N, K/32]
+    with pytest.raises(ValueError, match=r'dequant_mega_moe_fp4 delta must have shape \(2, 3, 2, 512\)'):
+        dequant_mega_moe_fp4(*old_style)
+    with pytest.raises(ValueError, match=r'l2 delta must have shape \(2, 3, 2, 512\) \(\[E, N/128, K/128, 512\]'):
+        inverse_transform_weights_for_mega_moe(t1, old_style)
 
 
 def test_fp4_full_exponent_range_and_lossy_groups():

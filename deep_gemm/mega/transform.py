@@ -10,9 +10,10 @@ bf16xbf16      l1 bfloat16 [E, 2I, H]; l2 bfloat16 [E, H, I]             l1 gate
 fp8xfp8        l1 (w e4m3 [E, 2I, H], sf f32 [E, 2I/128, H/128])          w and sf rows interleaved; l2 as is
                l2 (w e4m3 [E, H, I], sf f32 [E, H/128, I/128])
 fp8xfp4        l1 (w uint8 [E, 2I, H/2] packed E2M1, sf uint8             l1 (w [E, 2I, H/2], delta uint8
-               [E, 2I, H/32] UE8M0); l2 (w [E, H, I/2], sf [E, H, I/32])  [E, 2I, H/32], block_scale f32
-                                                                         [E, 2I/128, H/128]), interleaved;
-                                                                         l2 the same 3-tuple, not interleaved
+               [E, 2I, H/32] UE8M0); l2 (w [E, H, I/2], sf [E, H, I/32])  [E, 2I/128, H/128, 512], block_scale
+                                                                         f32 [E, 2I/128, H/128]), interleaved;
+                                                                         l2 the same 3-tuple (delta [E, H/128,
+                                                                         I/128, 512]), not interleaved
 =============  ========================================================  =====================================
 
 Gate/up interleave: l1 rows become [gate 0:128, up 0:128, gate 128:256, up 128:256, ...], so the
@@ -27,6 +28,13 @@ group with delta d expands to RNE_e4m3(e2m1(c) * 2^(6 - d)): exact for d <= 14, 
 have one mantissa bit and E4M3 subnormals reach 2^-9 (0.5 * 2^(6-14) = 2^-9), and 6 * 2^6 = 384 <= 448
 never overflows. Groups with d > 14 lose their smallest values (or all of them); the transform warns
 with the count and the error, see `mxfp4_transform_error`.
+
+Delta layout (kernel format): uint8 [E, N/128, K/128, 512], one contiguous 512-byte block per
+128 x 128 weight block, so the kernel fetches one K-block's deltas of a 128-row weight block with a
+single bulk copy. Within a block, byte r * 4 + g is the delta of row r (0..127) and 32-wide group g
+(0..3) of the 128-wide K-block: delta[e, nb, kb, r * 4 + g] is the delta of row nb * 128 + r and
+group kb * 4 + g of the row-major [E, N, K/32] deltas. For l1 the rows are gate/up interleaved
+first, then blocked (N = 2I, K = H; l2: N = H, K = I).
 """
 from __future__ import annotations
 
@@ -51,6 +59,8 @@ FP4_EXPANSION_SHIFT = 6
 FP4_MAX_EXACT_DELTA = 14
 # Deltas are stored in 4 bits' worth of table rows; larger ones are clamped to this
 FP4_MAX_DELTA = 15
+# Bytes of one 128 x 128 weight block's deltas in the kernel layout: 128 rows x 4 groups of 32
+FP4_DELTA_BLOCK_BYTES = WEIGHT_BLOCK * (WEIGHT_BLOCK // MXFP4_GROUP)
 _UE8M0_NAN = 255
 
 WeightsBF16 = torch.Tensor
@@ -143,6 +153,23 @@ def _unblocks(t: torch.Tensor) -> torch.Tensor:
     return t.permute(0, 1, 3, 2, 4).reshape(e, nb * r, cb * c)
 
 
+def _deltas_to_kernel_blocks(delta: torch.Tensor) -> torch.Tensor:
+    """Row-major deltas uint8 [E, N, K/32] -> the kernel layout [E, N/128, K/128, 512].
+
+    out[e, nb, kb, r * 4 + g] = delta[e, nb * 128 + r, kb * 4 + g]: one contiguous 512-byte block per
+    128 x 128 weight block (row r, group g of the block).
+    """
+    e, n, groups = delta.shape
+    return (_blocks(delta, WEIGHT_BLOCK // MXFP4_GROUP)
+            .reshape(e, n // WEIGHT_BLOCK, groups * MXFP4_GROUP // WEIGHT_BLOCK, FP4_DELTA_BLOCK_BYTES).contiguous())
+
+
+def _deltas_from_kernel_blocks(delta: torch.Tensor) -> torch.Tensor:
+    """Inverse of `_deltas_to_kernel_blocks`: [E, N/128, K/128, 512] -> row-major [E, N, K/32]."""
+    e, nb, kb, _ = delta.shape
+    return _unblocks(delta.reshape(e, nb, kb, WEIGHT_BLOCK, WEIGHT_BLOCK // MXFP4_GROUP)).contiguous()
+
+
 def _unpack_e2m1_codes(packed: torch.Tensor) -> torch.Tensor:
     """uint8 [..., k/2] -> int64 codes [..., k]; element 2j is the low nibble of byte j."""
     codes = torch.stack((packed & 0xF, packed >> 4), dim=-1)
@@ -179,9 +206,10 @@ def _check_multiple(value: int, multiple: int, what: str) -> None:
         raise ValueError(f'{what} = {value} must be a multiple of {multiple}')
 
 
-def _check_shape(t: torch.Tensor, expected: Tuple[int, ...], name: str) -> None:
+def _check_shape(t: torch.Tensor, expected: Tuple[int, ...], name: str, layout: str = '') -> None:
     if tuple(t.shape) != tuple(expected):
-        raise ValueError(f'{name} must have shape {tuple(expected)}, got {tuple(t.shape)}')
+        hint = f' ({layout})' if layout else ''
+        raise ValueError(f'{name} must have shape {tuple(expected)}{hint}, got {tuple(t.shape)}')
 
 
 def _as_uint8(t: torch.Tensor, name: str, allowed: Tuple[torch.dtype, ...]) -> torch.Tensor:
@@ -271,7 +299,11 @@ def _detect_format(l1: object, l2: object) -> str:
 # --------------------------------------------------------------------------------------------------
 
 def _rebase_mxfp4(w: torch.Tensor, sf: torch.Tensor) -> WeightsFP4:
-    """Checked MXFP4 (w [E, N, K/2], sf [E, N, K/32]) -> (w, delta, block_scale), not interleaved."""
+    """Checked MXFP4 (w [E, N, K/2], sf [E, N, K/32]) -> (w, delta, block_scale), not interleaved.
+
+    delta comes back row-major [E, N, K/32] (checkpoint row order); `_deltas_to_kernel_blocks` makes
+    the kernel layout after any row interleave.
+    """
     s = _blocks(sf.to(torch.int16), WEIGHT_BLOCK // MXFP4_GROUP)  # [E, NB, KB, 128, 4]
     base = s.amax(dim=(-2, -1))                                     # [E, NB, KB]
     delta = (base[..., None, None] - s).clamp(max=FP4_MAX_DELTA).to(torch.uint8)
@@ -280,15 +312,20 @@ def _rebase_mxfp4(w: torch.Tensor, sf: torch.Tensor) -> WeightsFP4:
 
 
 def _check_kernel_fp4(w: object, delta: object, block_scale: object, name: str) -> Tuple[int, int, int]:
-    w, delta, block_scale = (_check_3d(w, f'{name} weights'), _check_3d(delta, f'{name} delta'),
-                             _check_3d(block_scale, f'{name} block_scale'))
+    """Kernel-format FP4 weights: w uint8 [E, N, K/2], delta uint8 [E, N/128, K/128, 512], block_scale
+    float32 [E, N/128, K/128]. Returns (E, N, K)."""
+    w, block_scale = _check_3d(w, f'{name} weights'), _check_3d(block_scale, f'{name} block_scale')
+    if not isinstance(delta, torch.Tensor):
+        raise TypeError(f'{name} delta must be a torch.Tensor, got {type(delta).__name__}')
     if w.dtype != torch.uint8 or delta.dtype != torch.uint8 or block_scale.dtype != torch.float32:
         raise TypeError(f'{name}: expected (uint8, uint8, float32), got ({w.dtype}, {delta.dtype}, {block_scale.dtype})')
     e, n, half_k = w.shape
     k = half_k * 2
     _check_multiple(n, WEIGHT_BLOCK, f'{name} rows (N)')
     _check_multiple(k, WEIGHT_BLOCK, f'{name} K')
-    _check_shape(delta, (e, n, k // MXFP4_GROUP), f'{name} delta')
+    _check_shape(delta, (e, n // WEIGHT_BLOCK, k // WEIGHT_BLOCK, FP4_DELTA_BLOCK_BYTES), f'{name} delta',
+                 f'[E, N/128, K/128, {FP4_DELTA_BLOCK_BYTES}]: one {FP4_DELTA_BLOCK_BYTES}-byte block of '
+                 'deltas per 128 x 128 weight block, from transform_weights_for_mega_moe')
     _check_shape(block_scale, (e, n // WEIGHT_BLOCK, k // WEIGHT_BLOCK), f'{name} block_scale')
     return e, n, k
 
@@ -298,7 +335,9 @@ def dequant_mega_moe_fp4(w: torch.Tensor, delta: torch.Tensor, block_scale: torc
 
     Args:
         w: uint8 [E, N, K/2] packed E2M1 (element 2j in the low nibble of byte j).
-        delta: uint8 [E, N, K/32], 0..15: the group's exponent below its block's base.
+        delta: uint8 [E, N/128, K/128, 512], 0..15: each group's exponent below its block's base;
+            delta[e, nb, kb, r * 4 + g] belongs to row nb * 128 + r, K elements
+            [(kb * 4 + g) * 32, (kb * 4 + g + 1) * 32) (see the module docstring).
         block_scale: float32 [E, N/128, K/128], 2^(base - 133).
 
     Returns:
@@ -310,7 +349,7 @@ def dequant_mega_moe_fp4(w: torch.Tensor, delta: torch.Tensor, block_scale: torc
         raise ValueError(f'delta must be <= {FP4_MAX_DELTA}, got {int(delta.max())}')
     table = fp4_expansion_table(w.device).flatten()
     codes = _unpack_e2m1_codes(w)
-    deltas = delta.to(torch.int64).repeat_interleave(MXFP4_GROUP, dim=-1)
+    deltas = _deltas_from_kernel_blocks(delta).to(torch.int64).repeat_interleave(MXFP4_GROUP, dim=-1)
     e4m3 = table[deltas * 16 + codes].view(torch.float8_e4m3fn).to(torch.float32)
     scale = block_scale.repeat_interleave(WEIGHT_BLOCK, dim=-2).repeat_interleave(WEIGHT_BLOCK, dim=-1)
     return e4m3 * scale
@@ -391,8 +430,11 @@ def transform_weights_for_mega_moe(l1_weights: Weights, l2_weights: Weights) -> 
         fp8xfp4:   l1 (uint8 [E, 2I, H/2], UE8M0 uint8 [E, 2I, H/32]), l2 (uint8 [E, H, I/2], uint8 [E, H, I/32]);
                    float4_e2m1fn_x2 / float8_e8m0fnu are accepted for the weights / scales.
     l1 rows are [gate | up]. Returns (l1, l2) for `bf16_mega_moe` / `fp8_mega_moe` / `fp8_fp4_mega_moe`:
-    l1 gate/up interleaved in blocks of 128 rows; MXFP4 becomes (w, delta, block_scale). Warns when
-    MXFP4 groups lose precision (see `mxfp4_transform_error`). Runs on the inputs' device.
+    l1 gate/up interleaved in blocks of 128 rows; MXFP4 becomes (w uint8 [E, N, K/2], delta uint8
+    [E, N/128, K/128, 512], block_scale float32 [E, N/128, K/128]) with delta[e, nb, kb, r * 4 + g] the
+    delta of row nb * 128 + r (after the l1 interleave), group kb * 4 + g: one contiguous 512-byte block
+    per 128 x 128 weight block. Warns when MXFP4 groups lose precision (see `mxfp4_transform_error`).
+    Runs on the inputs' device.
     """
     kind = _detect_format(l1_weights, l2_weights)
     if kind == 'bf16xbf16':
@@ -406,14 +448,18 @@ def transform_weights_for_mega_moe(l1_weights: Weights, l2_weights: Weights) -> 
     (w1, sf1), (w2, sf2) = _check_mxfp4(*l1_weights, 'l1'), _check_mxfp4(*l2_weights, 'l2')
     _check_l1_l2_shapes((w1.shape[0], w1.shape[1], w1.shape[2] * 2), (w2.shape[0], w2.shape[1], w2.shape[2] * 2))
     w1, delta1, scale1 = _transform_mxfp4(w1, sf1, 'l1')
-    l1 = (_interleave_gate_up(w1, GATE_UP_INTERLEAVE), _interleave_gate_up(delta1, GATE_UP_INTERLEAVE),
-          _interleave_gate_up(scale1, 1))
-    return l1, _transform_mxfp4(w2, sf2, 'l2')
+    w2, delta2, scale2 = _transform_mxfp4(w2, sf2, 'l2')
+    # Rows interleaved first, then the deltas blocked (the interleave moves whole 128-row blocks)
+    l1 = (_interleave_gate_up(w1, GATE_UP_INTERLEAVE),
+          _deltas_to_kernel_blocks(_interleave_gate_up(delta1, GATE_UP_INTERLEAVE)), _interleave_gate_up(scale1, 1))
+    return l1, (w2, _deltas_to_kernel_blocks(delta2), scale2)
 
 
 def _inverse_rebase_mxfp4(w: torch.Tensor, delta: torch.Tensor, block_scale: torch.Tensor,
                           name: str) -> Tuple[torch.Tensor, torch.Tensor]:
-    _check_kernel_fp4(w, delta, block_scale, name)
+    """Inverse of `_rebase_mxfp4`: (w [E, N, K/2], row-major delta [E, N, K/32] as from
+    `_deltas_from_kernel_blocks`, block_scale [E, N/128, K/128]), shapes already checked ->
+    checkpoint (w, sf UE8M0 [E, N, K/32])."""
     mantissa, exponent = torch.frexp(block_scale)
     base = exponent.to(torch.int16) - 1 + 127 + FP4_EXPANSION_SHIFT
     if block_scale.numel() > 0 and not bool(((mantissa == 0.5) & (base >= 0) & (base <= 254)).all()):
@@ -444,8 +490,11 @@ def inverse_transform_weights_for_mega_moe(l1: Weights, l2: Weights) -> Tuple[We
         shape1 = _check_kernel_fp4(*l1, 'l1')
         shape2 = _check_kernel_fp4(*l2, 'l2')
         _check_l1_l2_shapes(shape1, shape2)
+        # Deltas unblocked to rows first, then the rows de-interleaved (the forward order reversed)
         w1, delta1, scale1 = (_deinterleave_gate_up(l1[0], GATE_UP_INTERLEAVE),
-                              _deinterleave_gate_up(l1[1], GATE_UP_INTERLEAVE), _deinterleave_gate_up(l1[2], 1))
-        return _inverse_rebase_mxfp4(w1, delta1, scale1, 'l1'), _inverse_rebase_mxfp4(*l2, 'l2')
+                              _deinterleave_gate_up(_deltas_from_kernel_blocks(l1[1]), GATE_UP_INTERLEAVE),
+                              _deinterleave_gate_up(l1[2], 1))
+        return (_inverse_rebase_mxfp4(w1, delta1, scale1, 'l1'),
+                _inverse_rebase_mxfp4(l2[0], _deltas_from_kernel_blocks(l2[1]), l2[2], 'l2'))
     raise TypeError('expected kernel-format weights: bfloat16 tensors, (e4m3, float32) pairs or '
                     '(uint8, uint8, float32) triples for both l1 and l2')

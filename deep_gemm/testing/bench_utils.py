@@ -69,7 +69,8 @@ def weight_bytes_per_expert(mma_type: str, hidden: int, intermediate: int) -> in
     """HBM bytes of one expert's L1 [2I, H] and L2 [H, I] weights in the kernel's format.
 
     fp8xfp8: 1 byte/element + one float32 per 128x128 block. bf16xbf16: 2 bytes/element.
-    fp8xfp4: 0.5 byte/element + one uint8 exponent delta per 32 of K + one float32 per 128x128 block.
+    fp8xfp4: 0.5 byte/element + one uint8 exponent delta per 32 of K (stored as 512-byte blocks
+    [N/128, K/128, 512], the same count) + one float32 per 128x128 block.
     """
     _check_mma_type(mma_type)
     elements = 3 * hidden * intermediate

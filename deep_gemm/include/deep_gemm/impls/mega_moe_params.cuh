@@ -45,6 +45,20 @@ DG_HOST_DEVICE constexpr int mega_moe_stage_bytes(MmaType t, int block_m) {
     return block_m * 128 + kMegaMoEBlockNL1 * 128 + mega_moe_packed_b_bytes(t);
 }
 DG_HOST_DEVICE constexpr int mega_moe_epilogue_bytes(int block_m) { return block_m * kMegaMoEEpilogueRowBytes; }
+// Per stage, next to the tiles: the M-block's activation scales for the K-block (FP8 activations,
+// block_m floats) and the B tile's exponent deltas (FP8 x FP4, 256 rows x 4 groups), both brought
+// by the producer with the tiles, so the math loop never waits on a global load
+constexpr int kMegaMoEDeltaBytesL1 = kMegaMoEBlockNL1 * 4;
+DG_HOST_DEVICE constexpr int mega_moe_stage_sf_bytes(MmaType t, int block_m) { return is_fp8_activation(t) ? block_m * 4 : 0; }
+DG_HOST_DEVICE constexpr int mega_moe_stage_extra_bytes(MmaType t, int block_m) {
+    return mega_moe_stage_sf_bytes(t, block_m) + (t == MmaType::kFP8xFP4 ? kMegaMoEDeltaBytesL1 : 0);
+}
+// FP32 weight block scales of one task (gate and up rows, one per K-block), per math warpgroup:
+// loaded once when the task starts. Bounds hidden and intermediate_hidden (checked by the host).
+constexpr int kMegaMoEMaxKBlocks = 128;
+DG_HOST_DEVICE constexpr int mega_moe_weight_sf_bytes(MmaType t, int block_m) {
+    return is_fp8_activation(t) ? (block_m / 64) * 2 * kMegaMoEMaxKBlocks * 4 : 0;
+}
 // mbarriers (stages x 2 + ring x 2), ring slots, per-expert token counts and M-block table,
 // scalars, the 16 x 16 E2M1 -> E4M3 expansion table
 DG_HOST_DEVICE constexpr int mega_moe_control_smem_bytes(int num_stages) {
@@ -52,7 +66,8 @@ DG_HOST_DEVICE constexpr int mega_moe_control_smem_bytes(int num_stages) {
 }
 DG_HOST_DEVICE constexpr int mega_moe_smem_bytes(MmaType t, int block_m, int num_stages) {
     // +1024: the dynamic shared-memory base is re-aligned to 1024 B for the swizzled tiles
-    return num_stages * mega_moe_stage_bytes(t, block_m) + mega_moe_epilogue_bytes(block_m) +
+    return num_stages * (mega_moe_stage_bytes(t, block_m) + mega_moe_stage_extra_bytes(t, block_m)) +
+           mega_moe_epilogue_bytes(block_m) + mega_moe_weight_sf_bytes(t, block_m) +
            mega_moe_control_smem_bytes(num_stages) + 1024;
 }
 
@@ -60,7 +75,8 @@ DG_HOST_DEVICE constexpr int mega_moe_smem_bytes(MmaType t, int block_m, int num
 // decode call spend its microseconds). "first" slots keep the first stamp, the others the last.
 enum TraceSlot : int {
     kTraceStart = 0, kTraceCounted, kTraceLayout, kTracePullEnd, kTraceL1Begin, kTraceL1End,
-    kTraceL2Begin, kTraceL2End, kTraceCombineReady, kTraceCombineEnd, kTraceExit, kTraceSlots = 16
+    kTraceL2Begin, kTraceL2End, kTraceCombineReady, kTraceCombineEnd, kTraceExit,
+    kTracePullBegin, kTraceL1FirstStage, kTraceSlots = 16
 };
 
 struct MegaMoEParams {
@@ -71,8 +87,9 @@ struct MegaMoEParams {
     void* y;                            // BF16 [n, hidden]
     const float* l1_weight_scales;      // FP8/FP4: [E_local, 2I/128, H/128] (gate/up interleaved rows)
     const float* l2_weight_scales;      // FP8/FP4: [E_local, H/128, I/128]
-    const uint8_t* l1_weight_deltas;    // FP4: [E_local, 2I, H/32] exponent deltas (interleaved rows)
-    const uint8_t* l2_weight_deltas;    // FP4: [E_local, H, I/32]
+    // FP4 exponent deltas, 512 bytes per (128-row block, K-block): [E_local, N/128, K/128, 128 rows x 4 groups]
+    const uint8_t* l1_weight_deltas;    // N = 2I (interleaved rows), K = H
+    const uint8_t* l2_weight_deltas;    // N = H, K = I
     int* cumulative_local_expert_recv_stats;  // int32 [E_local] or nullptr
     float activation_clamp;             // +inf when no clamp
     uint64_t timeout_ns;

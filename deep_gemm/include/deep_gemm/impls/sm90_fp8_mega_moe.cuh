@@ -118,6 +118,9 @@ struct Kernel {
     static constexpr int kBBytesL1 = kMegaMoEBlockNL1 * 128;
     static constexpr int kBBytesL2 = kMegaMoEBlockNL2 * 128;
     static constexpr int kStageBytes = mega_moe_stage_bytes(kMmaType, BLOCK_M);
+    static constexpr int kStageSfBytes = mega_moe_stage_sf_bytes(kMmaType, BLOCK_M);
+    static constexpr int kStageExtraBytes = mega_moe_stage_extra_bytes(kMmaType, BLOCK_M);
+    static constexpr int kWeightSfFloats = 2 * kMegaMoEMaxKBlocks;   // per math warpgroup
     static constexpr int kNumMathThreads = 128 * kNumMathWGs;
     static constexpr int kKStepsPerStage = 128 / mma::kWgmmaKBytes;
     static constexpr int kNumRingConsumers = kNumDispatchThreads + 128 * kNumMathWGs;
@@ -129,6 +132,8 @@ struct Kernel {
     struct Smem {
         uint8_t* stages;          // [kNumStages][A tile | B tile]
         uint8_t* epilogue;
+        uint8_t* extras;          // [kNumStages][A scales | FP4 deltas]
+        float* weight_sf;         // [math warpgroup][gate K-blocks | up K-blocks] of the current task
         uint64_t* full;
         uint64_t* empty;
         uint64_t* ring_full;
@@ -142,7 +147,9 @@ struct Kernel {
         __device__ explicit Smem(uint8_t* base) {
             stages = base;
             epilogue = base + kNumStages * kStageBytes;
-            auto* c = epilogue + mega_moe_epilogue_bytes(BLOCK_M);
+            extras = epilogue + mega_moe_epilogue_bytes(BLOCK_M);
+            weight_sf = reinterpret_cast<float*>(extras + kNumStages * kStageExtraBytes);
+            auto* c = reinterpret_cast<uint8_t*>(weight_sf) + mega_moe_weight_sf_bytes(kMmaType, BLOCK_M);
             full = reinterpret_cast<uint64_t*>(c);
             empty = full + kNumStages;
             ring_full = empty + kNumStages;
@@ -151,12 +158,14 @@ struct Kernel {
             expert_tokens = ring_task + kMegaMoETaskRing;
             mblock_begin = expert_tokens + kMegaMoEMaxLocalExperts;
             ctrl = reinterpret_cast<SharedControl*>(align_up<uintptr_t>(reinterpret_cast<uintptr_t>(mblock_begin + kMegaMoEMaxLocalExperts + 1), 16));
-            fp4_table = reinterpret_cast<uint8_t*>(ctrl + 1);
+            fp4_table = reinterpret_cast<uint8_t*>(align_up<uintptr_t>(reinterpret_cast<uintptr_t>(ctrl + 1), 16));
         }
         // Stage addresses are computed, not stored: an array indexed by a run-time stage would live in local memory
         __device__ uint8_t* stage_a(int s) const { return stages + s * kStageBytes; }
         __device__ uint8_t* stage_b(int s) const { return stages + s * kStageBytes + kABytes; }
         __device__ uint8_t* stage_packed_b(int s) const { return stages + s * kStageBytes + kABytes + kBBytesL1; }
+        __device__ float* stage_sf(int s) const { return reinterpret_cast<float*>(extras + s * kStageExtraBytes); }
+        __device__ uint8_t* stage_deltas(int s) const { return extras + s * kStageExtraBytes + kStageSfBytes; }
     };
 
     // Task space of one call, identical in every CTA of a rank once the receive counts are known
@@ -307,6 +316,7 @@ struct Kernel {
         auto* l1_sf = mine<float>(lay.l1_sf);
         const int warp = dispatch_thread / 32, lane = dispatch_thread % 32;
         const int row_bytes = hidden * kActBytes;
+        if (dispatch_thread == 0) trace(kTracePullBegin, true);
 
         for (int r = warp; r < BLOCK_M; r += kNumDispatchWarps) {
             const int pos = first_pos + r;
@@ -427,10 +437,24 @@ struct Kernel {
     __device__ void scheduler(const CUtensorMap* tm_l1_act, const CUtensorMap* tm_l1_w,
                               const CUtensorMap* tm_l2_act, const CUtensorMap* tm_l2_w) {
         uint32_t stage_iter = 0;
+        // Stages armed so far, and how many of them also have their A tile issued: on abort every
+        // armed stage is completed and waited for, so no TMA write lands after the CTA has left
+        uint32_t armed_end = 0, a_issued_end = 0;
         const int total = tasks.total();
         auto* control = mine<uint32_t>(lay.control);
         const auto* arrival = mine<uint32_t>(lay.mblock_arrival);
         const auto* l1_done = mine<uint32_t>(lay.mblock_l1_done);
+        bool is_l1 = false;
+        int m = 0;
+        auto issue_a = [&](uint32_t it) {
+            const int s = it % kNumStages, kb = static_cast<int>(it - stage_iter);
+            tma_load_2d(sm.stage_a(s), is_l1 ? tm_l1_act : tm_l2_act, sm.full + s, kb * BLOCK_K, m * BLOCK_M);
+            if constexpr (kStageSfBytes > 0) {
+                // the M-block's activation scales of this K-block: BLOCK_M contiguous floats (pool is M-major)
+                const float* sf = mine<float>(is_l1 ? lay.l1_sf : lay.l2_sf) + static_cast<int64_t>(kb) * lay.num_pool_rows + m * BLOCK_M;
+                bulk_load(sm.stage_sf(s), sf, kStageSfBytes, sm.full + s);
+            }
+        };
         for (int i = 0;; ++i) {
             int t = i == 0 ? sm.ctrl->first_task : static_cast<int>(atomicAdd(control + L::kControlTaskQueue, 1));
             const int slot = i % kMegaMoETaskRing;
@@ -441,22 +465,30 @@ struct Kernel {
             mbarrier_arrive(sm.ring_full + slot);
             if (t >= total) break;
 
-            const bool is_l1 = t >= tasks.pull_end() and t < tasks.l1_end();
+            is_l1 = t >= tasks.pull_end() and t < tasks.l1_end();
             const bool is_l2 = t >= tasks.l1_end() and t < tasks.l2_end();
             if (not is_l1 and not is_l2) continue;
             const int idx = is_l1 ? t - tasks.pull_end() : t - tasks.l1_end();
             const int nblocks = is_l1 ? tasks.num_l1_nblocks : tasks.num_l2_nblocks;
-            const int m = idx / nblocks, j = idx % nblocks;
+            m = idx / nblocks;
+            const int j = idx % nblocks;
             const int le = expert_of_mblock(m);
 
             const int num_kb = (is_l1 ? lay.hidden : lay.intermediate_hidden) / BLOCK_K;
             const int b_rows = is_l1 ? kMegaMoEBlockNL1 : kMegaMoEBlockNL2;
             const int b_row0 = le * (is_l1 ? 2 * lay.intermediate_hidden : lay.hidden) + j * b_rows;
-            // FP8 x FP4: B arrives packed (64 bytes per row and K-block) and the math warpgroups expand it
-            const uint32_t b_bytes = kFP4 ? b_rows * kMegaMoEPackedRowBytes : (is_l1 ? kBBytesL1 : kBBytesL2);
-            const uint32_t stage_bytes = kABytes + b_bytes;
-            const CUtensorMap* tm_act = is_l1 ? tm_l1_act : tm_l2_act;
+            // FP8 x FP4: B arrives packed (64 bytes per row and K-block) with its exponent deltas
+            // (4 bytes per row and K-block); the math warpgroups expand it
+            const uint32_t b_bytes = kFP4 ? b_rows * (kMegaMoEPackedRowBytes + 4) : (is_l1 ? kBBytesL1 : kBBytesL2);
+            const uint32_t stage_bytes = kABytes + kStageSfBytes + b_bytes;
             const CUtensorMap* tm_w = is_l1 ? tm_l1_w : tm_l2_w;
+            // FP4 deltas: 512 bytes per (128-row block, K-block), blocks of one expert K-major
+            const uint8_t* deltas = nullptr;
+            if constexpr (kFP4) {
+                const int row_blocks = (is_l1 ? 2 * lay.intermediate_hidden : lay.hidden) / 128;
+                deltas = (is_l1 ? p.l1_weight_deltas : p.l2_weight_deltas) +
+                         (static_cast<int64_t>(le) * row_blocks + j * (b_rows / 128)) * num_kb * 512;
+            }
             auto claim_stage = [&](uint32_t it) {
                 const int s = it % kNumStages;
                 if (not bounded_wait(p, sm.ctrl, Phase::kPipeline, p.rank,
@@ -464,10 +496,14 @@ struct Kernel {
                     return false;
                 mbarrier_arrive_expect_tx(sm.full + s, stage_bytes);
                 const int kb = static_cast<int>(it - stage_iter);
-                if constexpr (kFP4)
+                if constexpr (kFP4) {
                     tma_load_2d(sm.stage_packed_b(s), tm_w, sm.full + s, kb * kMegaMoEPackedRowBytes, b_row0);
-                else
+                    for (int rb = 0; rb < b_rows / 128; ++rb)
+                        bulk_load(sm.stage_deltas(s) + rb * 512, deltas + (static_cast<int64_t>(rb) * num_kb + kb) * 512, 512, sm.full + s);
+                } else {
                     tma_load_2d(sm.stage_b(s), tm_w, sm.full + s, kb * BLOCK_K, b_row0);
+                }
+                armed_end = it + 1;
                 return true;
             };
 
@@ -483,17 +519,32 @@ struct Kernel {
                 ? bounded_wait(p, sm.ctrl, Phase::kL1Wait, p.rank, [&] { return ld_acquire_gpu(arrival + m) >= 1; })
                 : bounded_wait(p, sm.ctrl, Phase::kL2Wait, p.rank, [&] {
                       return ld_acquire_gpu(l1_done + m) >= static_cast<uint32_t>(tasks.num_l1_nblocks * kNumMathWGs); }));
-            // Aborted: stop issuing; the math warpgroups see the abort flag in their bounded waits
             if (not ok) break;
             fence_proxy_async_global();
             for (int kb = 0; kb < num_kb and ok; ++kb) {
                 if (kb >= num_prefetch) ok = claim_stage(stage_iter + kb);
-                if (ok) tma_load_2d(sm.stage_a((stage_iter + kb) % kNumStages), tm_act, sm.full + (stage_iter + kb) % kNumStages,
-                                    kb * BLOCK_K, m * BLOCK_M);
+                if (ok) issue_a(stage_iter + kb), a_issued_end = stage_iter + kb + 1;
             }
             if (not ok) break;
             stage_iter += num_kb;
         }
+
+        // Aborted (or done: then nothing is pending). Stages armed without their A tile get it now
+        // (in-bounds pool rows; the contents do not matter), then every armed stage is waited for.
+        for (uint32_t it = a_issued_end; it < armed_end; ++it) issue_a(it);
+        const uint64_t start = globaltimer_ns();
+        for (uint32_t it = armed_end > kNumStages ? armed_end - kNumStages : 0; it < armed_end; ++it)
+            while (not mbarrier_try_wait(sm.full + it % kNumStages, (it / kNumStages) & 1) and globaltimer_ns() - start < p.timeout_ns) {}
+    }
+
+    // The i-th task of the ring (every consumer thread reads every slot); `total` when aborted
+    __device__ int next_task(int i, int total) {
+        const int slot = i % kMegaMoETaskRing;
+        const bool ok = bounded_wait(p, sm.ctrl, Phase::kPipeline, p.rank,
+                                     [&] { return mbarrier_try_wait(sm.ring_full + slot, (i / kMegaMoETaskRing) & 1); });
+        const int t = ok ? sm.ring_task[slot] : total;
+        mbarrier_arrive(sm.ring_empty + slot);
+        return t;
     }
 
     // Dispatch warps: pull and combine tasks from the ring
@@ -501,11 +552,9 @@ struct Kernel {
         const int dispatch_thread = static_cast<int>(threadIdx.x) - 32;
         const int total = tasks.total();
         for (int i = 0;; ++i) {
-            const int slot = i % kMegaMoETaskRing;
-            bounded_wait(p, sm.ctrl, Phase::kPipeline, p.rank, [&] { return mbarrier_try_wait(sm.ring_full + slot, (i / kMegaMoETaskRing) & 1); });
-            const int t = sm.ring_task[slot];
-            mbarrier_arrive(sm.ring_empty + slot);
-            if (t >= total or sm.ctrl->abort) break;
+            const int t = next_task(i, total);
+            // one decision for the whole group (its next named barrier needs every thread)
+            if (named_barrier_or(kBarrierDispatch, kNumDispatchThreads, t >= total or sm.ctrl->abort)) break;
             if (t < tasks.pull_end()) pull(t, dispatch_thread);
             else if (t >= tasks.l2_end())
                 combine<kNumMathWGs == 1 ? 8 : 2>(t - tasks.l2_end(), dispatch_thread, dispatch_thread, kNumDispatchThreads, kBarrierDispatch);
@@ -519,19 +568,32 @@ struct Kernel {
         __device__ int row_in_tile(int half) const { return wg * 64 + warp * 16 + lane / 4 + 8 * half; }
     };
 
-    // Per task, once its first stage has landed: an acquire of the counter the producer waited on,
-    // so this thread's own loads of pool scales, row weights and routing written by other CTAs are
-    // ordered after their release (the stage's full barrier alone orders us only behind the
-    // producer, and weight prefetch arms that barrier before the producer's acquire)
+    // Per task, while its first wgmma runs: an acquire of the counter the producer waited on, so
+    // this thread's own loads of row weights and routing written by other CTAs are ordered after
+    // their release (the stage's full barrier alone orders us only behind the producer, and weight
+    // prefetch arms that barrier before the producer's acquire). Pool scales need no acquire: the
+    // producer's TMA brings them after its own.
     __device__ void acquire_task_inputs(bool is_l1, int m) const {
         (void)ld_acquire_gpu(mine<uint32_t>(is_l1 ? lay.mblock_arrival : lay.mblock_l1_done) + m);
     }
 
-    // Wait for a stage's bytes; false when the call was aborted
+    // The task's FP32 weight block scales (`count` floats from `src`) into this warpgroup's slice
+    // of shared memory, once per task instead of one global round trip per K-block. The previous
+    // task's reads of the slice ended before its epilogue's barriers.
+    __device__ const float* load_weight_scales(const float* src, int count, const MathThread& mt) {
+        float* dst = sm.weight_sf + mt.wg * kWeightSfFloats;
+        for (int i = mt.tid; i < count; i += 128) dst[i] = __ldg(src + i);
+        named_barrier(kBarrierMathBase + mt.wg, 128);
+        return dst;
+    }
+
+    // Wait for a stage's bytes; false when the call was aborted. Decided once for all math
+    // warpgroups, so none of them is left alone at a barrier or a wgmma.
     __device__ bool wait_full(uint32_t stage_iter) {
         const int s = stage_iter % kNumStages;
-        return bounded_wait(p, sm.ctrl, Phase::kPipeline, p.rank, [&] { return mbarrier_try_wait(sm.full + s, (stage_iter / kNumStages) & 1); })
-               and not *reinterpret_cast<volatile int*>(&sm.ctrl->abort);
+        const bool ok = bounded_wait(p, sm.ctrl, Phase::kPipeline, p.rank,
+                                     [&] { return mbarrier_try_wait(sm.full + s, (stage_iter / kNumStages) & 1); });
+        return not named_barrier_or(kBarrierMathAll, kNumMathThreads, not ok or *reinterpret_cast<volatile int*>(&sm.ctrl->abort));
     }
     __device__ void release_stage(uint32_t stage_iter, const MathThread& mt) {
         if (mt.lane == 0) mbarrier_arrive(sm.empty + stage_iter % kNumStages);
@@ -541,22 +603,27 @@ struct Kernel {
     // K-major layout that TMA would have produced, so the FP8 wgmma path runs unchanged. Code c of a
     // 32-wide group with exponent delta d becomes fp4_table[d][c] = RNE_e4m3(e2m1(c) * 2^(6 - d));
     // the rest of the scale (2^(base - 133)) is the FP32 block scale applied at promotion.
-    __device__ void expand_fp4_tile(int s, int rows, const uint8_t* deltas, int64_t row0, int kb, int k_groups) {
+    __device__ void expand_fp4_tile(int s, int rows) {
         const uint8_t* packed = sm.stage_packed_b(s);
+        const uint8_t* deltas = sm.stage_deltas(s);      // [row block][128 rows][4 groups]
         uint8_t* tile = sm.stage_b(s);
         const int math_thread = static_cast<int>(threadIdx.x) - 128;
         for (int c = math_thread; c < rows * 8; c += kNumMathThreads) {
             const int r = c >> 3, chunk = c & 7;     // 16 E4M3 outputs = 8 packed bytes per chunk
             const uint2 q = *reinterpret_cast<const uint2*>(packed + r * kMegaMoEPackedRowBytes + chunk * 8);
             // Weights are host data: mask the delta so a corrupted byte cannot index past the table
-            const int d = __ldg(deltas + (row0 + r) * k_groups + kb * 4 + (chunk >> 1)) & 15;
-            const uint8_t* t = sm.fp4_table + d * 16;
+            const int d = deltas[(r >> 7) * 512 + (r & 127) * 4 + (chunk >> 1)] & 15;
+            // E4M3 is sign-magnitude: the 8 magnitudes of this delta (one 8-byte row of the table)
+            // go through PRMT, 4 codes per instruction, and the code's sign bit is moved to bit 7
+            const uint2 mag = *reinterpret_cast<const uint2*>(sm.fp4_table + d * 16);
             uint32_t out[4];
             #pragma unroll
             for (int w = 0; w < 4; ++w) {
-                const uint32_t bytes = (w < 2 ? q.x : q.y) >> ((w & 1) * 16);
-                out[w] = static_cast<uint32_t>(t[bytes & 15]) | (static_cast<uint32_t>(t[(bytes >> 4) & 15]) << 8) |
-                         (static_cast<uint32_t>(t[(bytes >> 8) & 15]) << 16) | (static_cast<uint32_t>(t[(bytes >> 12) & 15]) << 24);
+                const uint32_t codes = (w < 2 ? q.x : q.y) >> ((w & 1) * 16);   // 4 nibbles, element order
+                uint32_t sign = codes & 0x8888u;                                  // nibble bit 3 -> byte bit 7
+                sign = (sign | (sign << 8)) & 0x00880088u;
+                sign = (sign | (sign << 4)) & 0x08080808u;
+                out[w] = __byte_perm(mag.x, mag.y, codes & 0x7777u) | (sign << 4);
             }
             // 128B swizzle: the 16-byte chunk index is XORed with the row inside its 8-row atom
             *reinterpret_cast<uint4*>(tile + (r >> 3) * 1024 + (r & 7) * 128 + ((chunk ^ (r & 7)) << 4)) =
@@ -569,37 +636,29 @@ struct Kernel {
     }
 
     // L1: acc[0:64] gate, acc[64:128] up (column c of gate pairs with column c of up)
-    __device__ bool l1_mainloop(int m, int le, int j, uint32_t& stage_iter, const MathThread& mt, float (&acc)[128]) {
+    // L1 also returns the top-k weights of this thread's two rows (read while the MMAs run)
+    __device__ bool l1_mainloop(int m, int le, int j, uint32_t& stage_iter, const MathThread& mt, float (&acc)[128], float (&row_w)[2]) {
         const int num_kb = lay.hidden / BLOCK_K;
+        const int64_t g0 = static_cast<int64_t>(m) * BLOCK_M + mt.row_in_tile(0);
+        auto read_task_inputs = [&] {
+            acquire_task_inputs(true, m);
+            row_w[0] = __ldcg(mine<float>(lay.row_weight) + g0);
+            row_w[1] = __ldcg(mine<float>(lay.row_weight) + g0 + 8);
+        };
         if constexpr (kFP8) {
             float part[64];
             #pragma unroll
             for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
-            const float* a_sf = mine<float>(lay.l1_sf);
-            const int64_t g0 = static_cast<int64_t>(m) * BLOCK_M + mt.row_in_tile(0), g1 = g0 + 8;
-            const int sf_cols = lay.hidden / 128;
-            const float* b_sf_gate = p.l1_weight_scales + (static_cast<int64_t>(le) * (2 * lay.intermediate_hidden / 128) + 2 * j) * sf_cols;
-            const float* b_sf_up = b_sf_gate + sf_cols;
-            // A scales (pool, written by other CTAs this launch) are loaded one K-block ahead, after
-            // the full barrier has ordered us behind the producer's acquire of this M-block
-            float sa0 = 0.0f, sa1 = 0.0f, next_sa0 = 0.0f, next_sa1 = 0.0f;
+            // gate and up scale rows are adjacent: [gate K-blocks | up K-blocks]
+            const float* b_sf = load_weight_scales(
+                p.l1_weight_scales + (static_cast<int64_t>(le) * (2 * lay.intermediate_hidden / 128) + 2 * j) * num_kb, 2 * num_kb, mt);
             for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
-                const float sg = __ldg(b_sf_gate + kb), su = __ldg(b_sf_up + kb);
                 if (not wait_full(stage_iter)) return false;
-                if constexpr (kFP4)
-                    expand_fp4_tile(stage_iter % kNumStages, kMegaMoEBlockNL1, p.l1_weight_deltas,
-                                    static_cast<int64_t>(le) * 2 * lay.intermediate_hidden + j * kMegaMoEBlockNL1, kb, lay.hidden / 32);
-                if (kb == 0) {
-                    acquire_task_inputs(true, m);
-                    next_sa0 = __ldcg(a_sf + g0);
-                    next_sa1 = __ldcg(a_sf + g1);
-                }
-                sa0 = next_sa0, sa1 = next_sa1;
-                if (kb + 1 < num_kb) {
-                    next_sa0 = __ldcg(a_sf + (kb + 1) * static_cast<int64_t>(lay.num_pool_rows) + g0);
-                    next_sa1 = __ldcg(a_sf + (kb + 1) * static_cast<int64_t>(lay.num_pool_rows) + g1);
-                }
+                if (kb == 0 and mt.tid == 0) trace(kTraceL1FirstStage, true);
                 const int s = stage_iter % kNumStages;
+                if constexpr (kFP4) expand_fp4_tile(s, kMegaMoEBlockNL1);
+                const float sa0 = sm.stage_sf(s)[mt.row_in_tile(0)], sa1 = sm.stage_sf(s)[mt.row_in_tile(1)];
+                const float sg = b_sf[kb], su = b_sf[num_kb + kb];
                 const uint64_t da = mma::make_k_major_sw128_desc(sm.stage_a(s) + mt.wg * 64 * 128);
                 const uint64_t dg = mma::make_k_major_sw128_desc(sm.stage_b(s));
                 const uint64_t du = mma::make_k_major_sw128_desc(sm.stage_b(s) + 128 * 128);
@@ -612,6 +671,7 @@ struct Kernel {
                         mma::FP8MmaN128::fma(mma::advance_desc(da, ks * mma::kWgmmaKBytes),
                                              mma::advance_desc(half == 0 ? dg : du, ks * mma::kWgmmaKBytes), part, ks > 0);
                     mma::warpgroup_commit();
+                    if (kb == 0 and half == 0) read_task_inputs();
                     mma::warpgroup_wait<0>();
                     mma::fence_operands(part);
                     if (half == 1) release_stage(stage_iter, mt);
@@ -624,7 +684,6 @@ struct Kernel {
         } else {
             for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
                 if (not wait_full(stage_iter)) return false;
-                if (kb == 0) acquire_task_inputs(true, m);
                 const int s = stage_iter % kNumStages;
                 const uint64_t da = mma::make_k_major_sw128_desc(sm.stage_a(s) + mt.wg * 64 * 128);
                 const uint64_t db = mma::make_k_major_sw128_desc(sm.stage_b(s));
@@ -635,6 +694,7 @@ struct Kernel {
                     mma::BF16MmaN256::fma(mma::advance_desc(da, ks * mma::kWgmmaKBytes), mma::advance_desc(db, ks * mma::kWgmmaKBytes),
                                           acc, kb > 0 or ks > 0);
                 mma::warpgroup_commit();
+                if (kb == 0) read_task_inputs();
                 mma::warpgroup_wait<0>();
                 mma::fence_operands(acc);
                 release_stage(stage_iter, mt);
@@ -649,27 +709,14 @@ struct Kernel {
             float part[64];
             #pragma unroll
             for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
-            const float* a_sf = mine<float>(lay.l2_sf);
-            const int64_t g0 = static_cast<int64_t>(m) * BLOCK_M + mt.row_in_tile(0), g1 = g0 + 8;
-            const float* b_sf = p.l2_weight_scales + (static_cast<int64_t>(le) * (lay.hidden / 128) + j) * (lay.intermediate_hidden / 128);
-            float next_sa0 = 0.0f, next_sa1 = 0.0f;   // one K-block ahead, as in L1
+            const float* b_sf = load_weight_scales(
+                p.l2_weight_scales + (static_cast<int64_t>(le) * (lay.hidden / 128) + j) * num_kb, num_kb, mt);
             for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
-                const float sb = __ldg(b_sf + kb);
                 if (not wait_full(stage_iter)) return false;
-                if constexpr (kFP4)
-                    expand_fp4_tile(stage_iter % kNumStages, kMegaMoEBlockNL2, p.l2_weight_deltas,
-                                    static_cast<int64_t>(le) * lay.hidden + j * kMegaMoEBlockNL2, kb, lay.intermediate_hidden / 32);
-                if (kb == 0) {
-                    acquire_task_inputs(false, m);
-                    next_sa0 = __ldcg(a_sf + g0);
-                    next_sa1 = __ldcg(a_sf + g1);
-                }
-                const float s0 = next_sa0 * sb, s1 = next_sa1 * sb;
-                if (kb + 1 < num_kb) {
-                    next_sa0 = __ldcg(a_sf + (kb + 1) * static_cast<int64_t>(lay.num_pool_rows) + g0);
-                    next_sa1 = __ldcg(a_sf + (kb + 1) * static_cast<int64_t>(lay.num_pool_rows) + g1);
-                }
                 const int s = stage_iter % kNumStages;
+                if constexpr (kFP4) expand_fp4_tile(s, kMegaMoEBlockNL2);
+                const float sb = b_sf[kb];
+                const float s0 = sm.stage_sf(s)[mt.row_in_tile(0)] * sb, s1 = sm.stage_sf(s)[mt.row_in_tile(1)] * sb;
                 const uint64_t da = mma::make_k_major_sw128_desc(sm.stage_a(s) + mt.wg * 64 * 128);
                 const uint64_t db = mma::make_k_major_sw128_desc(sm.stage_b(s));
                 mma::fence_operands(part);
@@ -678,6 +725,7 @@ struct Kernel {
                 for (int ks = 0; ks < kKStepsPerStage; ++ks)
                     mma::FP8MmaN128::fma(mma::advance_desc(da, ks * mma::kWgmmaKBytes), mma::advance_desc(db, ks * mma::kWgmmaKBytes), part, ks > 0);
                 mma::warpgroup_commit();
+                if (kb == 0) acquire_task_inputs(false, m);
                 mma::warpgroup_wait<0>();
                 mma::fence_operands(part);
                 release_stage(stage_iter, mt);
@@ -687,7 +735,6 @@ struct Kernel {
         } else {
             for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
                 if (not wait_full(stage_iter)) return false;
-                if (kb == 0) acquire_task_inputs(false, m);
                 const int s = stage_iter % kNumStages;
                 const uint64_t da = mma::make_k_major_sw128_desc(sm.stage_a(s) + mt.wg * 64 * 128);
                 const uint64_t db = mma::make_k_major_sw128_desc(sm.stage_b(s));
@@ -698,6 +745,7 @@ struct Kernel {
                     mma::BF16MmaN128::fma(mma::advance_desc(da, ks * mma::kWgmmaKBytes), mma::advance_desc(db, ks * mma::kWgmmaKBytes),
                                           acc, kb > 0 or ks > 0);
                 mma::warpgroup_commit();
+                if (kb == 0) acquire_task_inputs(false, m);
                 mma::warpgroup_wait<0>();
                 mma::fence_operands(acc);
                 release_stage(stage_iter, mt);
@@ -707,15 +755,14 @@ struct Kernel {
     }
 
     // L1 epilogue: SwiGLU (+clamp) x top-k weight, FP8 per-128 quantization (or BF16), into the L2 pool
-    __device__ void l1_epilogue(int m, int j, const MathThread& mt, float (&acc)[128]) {
-        const float* row_weight = mine<float>(lay.row_weight);
+    __device__ void l1_epilogue(int m, int j, const MathThread& mt, float (&acc)[128], const float (&row_w)[2]) {
         uint8_t* tile = sm.epilogue + mt.wg * 64 * kMegaMoEEpilogueRowBytes;
         const float clamp = p.activation_clamp;
         #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const int r = mt.row_in_tile(half);
             const int64_t g = static_cast<int64_t>(m) * BLOCK_M + r;
-            const float w = __ldcg(row_weight + g);
+            const float w = row_w[half];
             // The activation overwrites the gate accumulator in place (no extra 32 registers)
             float amax = 0.0f;
             #pragma unroll
@@ -821,17 +868,15 @@ struct Kernel {
         const int total = tasks.total();
         uint32_t stage_iter = 0;
         for (int i = 0;; ++i) {
-            const int slot = i % kMegaMoETaskRing;
-            bounded_wait(p, sm.ctrl, Phase::kPipeline, p.rank, [&] { return mbarrier_try_wait(sm.ring_full + slot, (i / kMegaMoETaskRing) & 1); });
-            const int t = sm.ring_task[slot];
-            mbarrier_arrive(sm.ring_empty + slot);
-            if (t >= total or sm.ctrl->abort) break;
+            const int t = next_task(i, total);
+            // Leave together: the math warpgroups meet at barriers and wgmma until the task ends
+            if (named_barrier_or(kBarrierMathAll, kNumMathThreads, t >= total or sm.ctrl->abort)) break;
             if (t >= tasks.pull_end() and t < tasks.l1_end()) {
                 const int idx = t - tasks.pull_end(), m = idx / tasks.num_l1_nblocks, j = idx % tasks.num_l1_nblocks;
-                float acc[128];
+                float acc[128], row_w[2];
                 if (mt.tid == 0) trace(kTraceL1Begin, true);
-                if (not l1_mainloop(m, expert_of_mblock(m), j, stage_iter, mt, acc)) break;
-                l1_epilogue(m, j, mt, acc);
+                if (not l1_mainloop(m, expert_of_mblock(m), j, stage_iter, mt, acc, row_w)) break;
+                l1_epilogue(m, j, mt, acc, row_w);
                 if (mt.tid == 0) trace(kTraceL1End);
             } else if (t >= tasks.l1_end() and t < tasks.l2_end()) {
                 const int idx = t - tasks.l1_end(), m = idx / tasks.num_l2_nblocks, j = idx % tasks.num_l2_nblocks;

@@ -38,6 +38,16 @@ __device__ __forceinline__ void named_barrier(int id, int num_threads) {
     asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(num_threads) : "memory");
 }
 
+// Named barrier that also ORs a predicate over its threads: every thread gets the same answer, so
+// a group can take one decision (leave on abort) without splitting at its next barrier or wgmma
+__device__ __forceinline__ bool named_barrier_or(int id, int num_threads, bool pred) {
+    uint32_t any = 0;
+    asm volatile(
+        "{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n bar.red.or.pred q, %2, %3, p;\n selp.u32 %0, 1, 0, q;\n}\n"
+        : "=r"(any) : "r"(static_cast<uint32_t>(pred)), "r"(id), "r"(num_threads) : "memory");
+    return any != 0;
+}
+
 // ---------------------------------------------------------------------------------------------
 // mbarrier
 __device__ __forceinline__ void mbarrier_init(uint64_t* bar, uint32_t count) {
@@ -78,6 +88,15 @@ __device__ __forceinline__ void tma_load_2d(void* smem_dst, const CUtensorMap* d
         "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n"
         :: "r"(smem_addr(smem_dst)), "l"(reinterpret_cast<uint64_t>(desc)), "r"(smem_addr(bar)),
            "r"(inner), "r"(outer)
+        : "memory");
+}
+
+// Contiguous global -> shared copy through the TMA unit, counted on `bar` like a tensor load.
+// `bytes`, both addresses: multiples of 16.
+__device__ __forceinline__ void bulk_load(void* smem_dst, const void* src, uint32_t bytes, uint64_t* bar) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+        :: "r"(smem_addr(smem_dst)), "l"(reinterpret_cast<uint64_t>(src)), "r"(bytes), "r"(smem_addr(bar))
         : "memory");
 }
 
