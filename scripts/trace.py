@@ -14,17 +14,18 @@ from deep_gemm.testing import moe_case as mc
 
 SLOTS = ['start', 'counted', 'layout', 'pull end', 'L1 begin', 'L1 end', 'L2 begin', 'L2 end',
          'combine ready', 'combine end', 'exit', 'pull begin', 'L1 1st stage']
+NUM_SLOTS = 48          # kTraceSlots; per K-block stamps of the first L1 task at 16 + kb (ready), 32 + kb (A issued)
 
 
 def trace_case(fmt, h, i, e, k, n, reps=3):
     w = mc.make_weights(fmt, h, i, e, 1, seed=0)
     (buf,) = mc.make_buffers(fmt, 1, e, max(n, 1), k, h, i)
     inputs = mc.make_inputs(fmt, [n], h, e, k, seed=1)
-    buf._trace = torch.zeros(_C.get_num_sms() * 16, dtype=torch.int64, device='cuda')
+    buf._trace = torch.zeros(_C.get_num_sms() * NUM_SLOTS, dtype=torch.int64, device='cuda')
     for _ in range(reps):   # the last call is traced warm
         buf._trace.zero_()
         mc.run_ranks(w, inputs, [buf])
-    t = buf._trace.view(-1, 16)[:, :len(SLOTS)].cpu()
+    t = buf._trace.view(-1, NUM_SLOTS).cpu()
     t0 = t[:, 0][t[:, 0] > 0].min()
     print(f'--- {fmt} {h}/{i}/{e}/{k} n={n}')
     for s, name in enumerate(SLOTS):
@@ -33,6 +34,14 @@ def trace_case(fmt, h, i, e, k, n, reps=3):
         if col.numel():
             col = (col - t0) / 1e3
             print(f'{name:>14}: {col.numel():4d} CTAs  min {col.min():8.2f}  median {col.median():8.2f}  max {col.max():8.2f} us')
+    # K-block cadence of the first L1 task, on the CTA that started L1 first
+    ready, issue = t[:, 16:32], t[:, 32:48]
+    rows = (ready[:, 0] > 0).nonzero().flatten()
+    if rows.numel():
+        r = rows[ready[rows, 0].argmin()]
+        fmt_us = lambda v: ' '.join(f'{(x - t0) / 1e3:6.2f}' if x > 0 else '     -' for x in v.tolist())
+        print(f'  CTA {int(r)} K-block ready: {fmt_us(ready[r])}')
+        print(f'  CTA {int(r)} A issued:      {fmt_us(issue[r])}')
 
 
 def warm_up_gpu(seconds=1.0):

@@ -25,7 +25,7 @@ def expected_smem(mma_type, block_m, stages):
     # (2 mbarriers per stage, a 4-slot task ring of 2 mbarriers + an int each, 2 x 512 + 1 ints of
     # expert tables, 64 bytes of scalars, the 256-byte FP4 expansion table) rounded up to 1 KB; 1 KB
     # to re-align the base. FP8 activations add per stage the M-block's scales (block_m floats) and
-    # per math warpgroup the task's weight scales (2 x 128 K-blocks of floats); FP4 adds per stage
+    # per math warpgroup (always two) the task's weight scales (2 x 128 K-blocks of floats); FP4 adds per stage
     # the B tile's exponent deltas (256 rows x 4 bytes).
     block_k = 64 if mma_type == 'bf16xbf16' else 128
     elem = 2 if mma_type == 'bf16xbf16' else 1
@@ -33,14 +33,15 @@ def expected_smem(mma_type, block_m, stages):
     a = block_m * block_k * elem + (block_m * 4 if fp8 else 0)
     b = 256 * block_k * elem + (256 * 64 + 256 * 4 if mma_type == 'fp8xfp4' else 0)   # + packed E2M1 staging
     epilogue = block_m * (128 * 2 + 16)
-    weight_scales = (block_m // 64) * 2 * 128 * 4 if fp8 else 0
+    weight_scales = 2 * 2 * 128 * 4 if fp8 else 0      # two math warpgroups at every block_m
     control = -(-(stages * 16 + 4 * 20 + (2 * 512 + 1) * 4 + 64 + 256) // 1024) * 1024
     return stages * (a + b) + epilogue + weight_scales + control + 1024
 
 
 def test_decode_picks_block_m_64_and_prefill_128():
     decode = config(num_tokens=8)
-    assert decode['block_m'] == 64 and decode['num_math_warpgroups'] == 1 and decode['num_threads'] == 256
+    # decode: the two math warpgroups split the columns of a 64-row tile
+    assert decode['block_m'] == 64 and decode['num_math_warpgroups'] == 2 and decode['num_threads'] == 384
     prefill = config(num_tokens=4096)
     assert prefill['block_m'] == 128 and prefill['num_math_warpgroups'] == 2 and prefill['num_threads'] == 384
     # The boundary: 64 expected tokens per local expert is still block_m 64 (n * R * topk / E)
@@ -79,7 +80,7 @@ def test_stages_are_the_most_that_fit(mma_type, num_tokens, max_smem):
 
 
 def test_h200_stage_counts():
-    # 232448 bytes, FP8: block_m 64 -> 5 x (40960 + 256) + 17408 + 1024 + 5120 + 1024 = 230656 fits
+    # 232448 bytes, FP8: block_m 64 -> 5 x (40960 + 256) + 17408 + 2048 + 5120 + 1024 = 231680 fits
     # (6 would not); block_m 128 -> 3 x (49152 + 512) + 34816 + 2048 + 5120 + 1024 = 192000 (4 would need 241664).
     # FP8 x FP4 stages hold 16 KB more (the packed tile): 3 and 2 stages.
     for mma_type in MMA_TYPES:

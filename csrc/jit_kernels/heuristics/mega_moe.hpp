@@ -39,7 +39,7 @@ constexpr int kSM90MaxSmemBytes = 232448;
 struct MegaMoEConfig {
     MmaType mma_type;
     int block_m;               // 64 or 128 pool rows per M-block
-    int num_math_warpgroups;   // block_m / 64: each math warpgroup owns 64 rows
+    int num_math_warpgroups;   // 2: 64 rows each (block_m 128) or half the columns each (block_m 64)
     int block_n_l1;            // 256: 128 gate + 128 up columns
     int block_n_l2;            // 128
     int block_k;               // 128 (FP8) or 64 (BF16): one 128-byte swizzle row
@@ -116,7 +116,7 @@ inline MegaMoEConfig get_mega_moe_config(MmaType mma_type, int num_ranks, int nu
     c.block_m = num_routed_pairs <= static_cast<int64_t>(kWarpgroupBlockM) * num_experts ? 64 : 128;
     static_assert(layout::kMinBlockM <= 64 and 128 <= layout::kMaxBlockM and layout::kMaxBlockM % 128 == 0,
                   "the buffer's pools must be padded for both BLOCK_M choices");
-    c.num_math_warpgroups = c.block_m / kWarpgroupBlockM;
+    c.num_math_warpgroups = kMegaMoENumMathWarpgroups;   // block_m 64: the two split the columns
     c.num_threads = kNumWarpgroupThreads * (1 + c.num_math_warpgroups);  // warpgroup 0: TMA + dispatch/combine
     c.block_n_l1 = kMegaMoEBlockNL1;
     c.block_n_l2 = kMegaMoEBlockNL2;

@@ -32,6 +32,8 @@ constexpr int kMegaMoEBlockNL1 = 256;        // 128 gate + 128 up rows (interlea
 constexpr int kMegaMoEBlockNL2 = 128;
 constexpr int kMegaMoEMaxLocalExperts = 512; // scheduler tables in shared memory
 constexpr int kMegaMoETaskRing = 4;          // scheduler -> roles task ring depth
+// Two math warpgroups at every BLOCK_M: 128 rows -> 64 rows each; 64 rows -> split columns
+constexpr int kMegaMoENumMathWarpgroups = 2;
 constexpr int kMegaMoEEpilogueRowBytes = kMegaMoEBlockNL2 * 2 + 16;  // BF16 row + 16 B pad (bank spread)
 
 DG_HOST_DEVICE constexpr int mega_moe_block_k(MmaType t) { return 128 / activation_bytes(t); }
@@ -57,7 +59,7 @@ DG_HOST_DEVICE constexpr int mega_moe_stage_extra_bytes(MmaType t, int block_m) 
 // loaded once when the task starts. Bounds hidden and intermediate_hidden (checked by the host).
 constexpr int kMegaMoEMaxKBlocks = 128;
 DG_HOST_DEVICE constexpr int mega_moe_weight_sf_bytes(MmaType t, int block_m) {
-    return is_fp8_activation(t) ? (block_m / 64) * 2 * kMegaMoEMaxKBlocks * 4 : 0;
+    return is_fp8_activation(t) ? kMegaMoENumMathWarpgroups * 2 * kMegaMoEMaxKBlocks * 4 : 0;
 }
 // mbarriers (stages x 2 + ring x 2), ring slots, per-expert token counts and M-block table,
 // scalars, the 16 x 16 E2M1 -> E4M3 expansion table
@@ -76,7 +78,10 @@ DG_HOST_DEVICE constexpr int mega_moe_smem_bytes(MmaType t, int block_m, int num
 enum TraceSlot : int {
     kTraceStart = 0, kTraceCounted, kTraceLayout, kTracePullEnd, kTraceL1Begin, kTraceL1End,
     kTraceL2Begin, kTraceL2End, kTraceCombineReady, kTraceCombineEnd, kTraceExit,
-    kTracePullBegin, kTraceL1FirstStage, kTraceSlots = 16
+    kTracePullBegin, kTraceL1FirstStage,
+    // The first L1 task of each CTA, per K-block (kb < 16): when the math warpgroups had the stage,
+    // and when the producer issued its A tile
+    kTraceKbReady = 16, kTraceKbIssue = 32, kTraceKbSlots = 16, kTraceSlots = 48
 };
 
 struct MegaMoEParams {

@@ -21,6 +21,8 @@
 // Every spin-wait is bounded (params.timeout_ns); on timeout or a fatal error the kernel records a
 // status word, every CTA leaves, and the host raises (DESIGN.md §6).
 
+#include <type_traits>
+
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
@@ -41,10 +43,9 @@ constexpr int kNumDispatchThreads = kNumDispatchWarps * 32;
 constexpr int kBarrierDispatch = 1;
 constexpr int kBarrierMathBase = 2;  // + math warpgroup index (2, 3)
 constexpr int kBarrierMathAll = 4;   // every math warpgroup (FP4 tile expansion)
-// Register quotas after `setmaxnreg`. Two math warpgroups (384 threads): 128 x 40 + 256 x 232 <= 64K.
-// One math warpgroup (256 threads) leaves room to give the dispatch warps more loads in flight.
-template <int kNumMathWGs> constexpr int kProducerRegisters = kNumMathWGs == 1 ? 88 : 40;
-template <int kNumMathWGs> constexpr int kMathRegisters = kNumMathWGs == 1 ? 240 : 232;
+// Register quotas after `setmaxnreg` (384 threads): 128 x 40 + 256 x 232 <= 64K
+constexpr int kProducerRegisters = 40;
+constexpr int kMathRegisters = 232;
 // How often a spin loop looks at the global status word and the clock
 constexpr uint32_t kPollMask = 63;
 
@@ -111,7 +112,10 @@ struct Kernel {
     static constexpr bool kFP8 = is_fp8_activation(kMmaType);          // FP8 activations (and FP8 WGMMA)
     static constexpr bool kFP4 = kMmaType == MmaType::kFP8xFP4;        // weights E2M1, expanded in smem
     static constexpr int kActBytes = activation_bytes(kMmaType);
-    static constexpr int kNumMathWGs = BLOCK_M / 64;
+    // Two math warpgroups: BLOCK_M = 128 gives each 64 rows; BLOCK_M = 64 splits the columns
+    static constexpr int kNumMathWGs = 2;
+    static constexpr bool kSplitN = BLOCK_M == 64;
+    static constexpr int kRowGroups = BLOCK_M / 64;   // warpgroups that finish an L1 / L2 tile (release counters)
     static constexpr int kNumThreads = 128 * (1 + kNumMathWGs);
     static constexpr int BLOCK_K = mega_moe_block_k(kMmaType);      // one 128-byte swizzle row
     static constexpr int kABytes = BLOCK_M * 128;
@@ -125,7 +129,7 @@ struct Kernel {
     static constexpr int kKStepsPerStage = 128 / mma::kWgmmaKBytes;
     static constexpr int kNumRingConsumers = kNumDispatchThreads + 128 * kNumMathWGs;
     static_assert(kStageBytes == kABytes + kBBytesL1 + mega_moe_packed_b_bytes(kMmaType));
-    static_assert(kNumMathWGs * 128 * kMathRegisters<kNumMathWGs> + 128 * kProducerRegisters<kNumMathWGs> <= 65536, "register file");
+    static_assert(kNumMathWGs * 128 * kMathRegisters + 128 * kProducerRegisters <= 65536, "register file");
 
     // ------------------------------------------------------------------------------------------
     // Shared memory carve-up (sizes from mega_moe_params.cuh, which the host also uses)
@@ -190,7 +194,7 @@ struct Kernel {
     template <typename T>
     __device__ T* peer(int rank, const L::Section& s) const { return lay.get_ptr<T>(p.buffers[rank], s); }
 
-    __device__ void trace(TraceSlot slot, bool first_only = false) const {
+    __device__ void trace(int slot, bool first_only = false) const {
         if (p.trace == nullptr) return;
         uint64_t* stamp = p.trace + blockIdx.x * kTraceSlots + slot;
         if (not first_only or *stamp == 0) *stamp = globaltimer_ns();
@@ -351,7 +355,7 @@ struct Kernel {
             const int num_chunks = row_bytes / 16;
             // kInFlight 16-byte loads per lane before their stores (NVLink / HBM latency); as many
             // as the dispatch warps' register quota allows
-            constexpr int kInFlight = kNumMathWGs == 1 ? 8 : 4;
+            constexpr int kInFlight = 4;
             int c = lane;
             for (; c + 32 * (kInFlight - 1) < num_chunks; c += 32 * kInFlight) {
                 int4 v[kInFlight];
@@ -518,12 +522,13 @@ struct Kernel {
             ok = ok and (is_l1
                 ? bounded_wait(p, sm.ctrl, Phase::kL1Wait, p.rank, [&] { return ld_acquire_gpu(arrival + m) >= 1; })
                 : bounded_wait(p, sm.ctrl, Phase::kL2Wait, p.rank, [&] {
-                      return ld_acquire_gpu(l1_done + m) >= static_cast<uint32_t>(tasks.num_l1_nblocks * kNumMathWGs); }));
+                      return ld_acquire_gpu(l1_done + m) >= static_cast<uint32_t>(tasks.num_l1_nblocks * kRowGroups); }));
             if (not ok) break;
             fence_proxy_async_global();
             for (int kb = 0; kb < num_kb and ok; ++kb) {
                 if (kb >= num_prefetch) ok = claim_stage(stage_iter + kb);
                 if (ok) issue_a(stage_iter + kb), a_issued_end = stage_iter + kb + 1;
+                if (is_l1 and kb < kTraceKbSlots) trace(kTraceKbIssue + kb, true);
             }
             if (not ok) break;
             stage_iter += num_kb;
@@ -557,15 +562,19 @@ struct Kernel {
             if (named_barrier_or(kBarrierDispatch, kNumDispatchThreads, t >= total or sm.ctrl->abort)) break;
             if (t < tasks.pull_end()) pull(t, dispatch_thread);
             else if (t >= tasks.l2_end())
-                combine<kNumMathWGs == 1 ? 8 : 2>(t - tasks.l2_end(), dispatch_thread, dispatch_thread, kNumDispatchThreads, kBarrierDispatch);
+                combine<2>(t - tasks.l2_end(), dispatch_thread, dispatch_thread, kNumDispatchThreads, kBarrierDispatch);
         }
     }
 
     // ------------------------------------------------------------------------------------------
-    // Math warpgroups
+    // Math warpgroups. BLOCK_M = 128: each warpgroup owns 64 rows and all columns of a tile.
+    // BLOCK_M = 64 (decode): both warpgroups share the 64 rows and split the columns (L1: gate |
+    // up, L2: two halves of 64), so the MMAs of one K-block run on both at once instead of one
+    // after the other; the L1 epilogue brings the up half to warpgroup 0 through shared memory.
     struct MathThread {
         int wg, tid, warp, lane;
-        __device__ int row_in_tile(int half) const { return wg * 64 + warp * 16 + lane / 4 + 8 * half; }
+        __device__ int row_in_tile(int half) const { return (kSplitN ? 0 : wg * 64) + warp * 16 + lane / 4 + 8 * half; }
+        __device__ int row0() const { return kSplitN ? 0 : wg * 64; }   // first tile row of this warpgroup
     };
 
     // Per task, while its first wgmma runs: an acquire of the counter the producer waited on, so
@@ -595,7 +604,9 @@ struct Kernel {
                                      [&] { return mbarrier_try_wait(sm.full + s, (stage_iter / kNumStages) & 1); });
         return not named_barrier_or(kBarrierMathAll, kNumMathThreads, not ok or *reinterpret_cast<volatile int*>(&sm.ctrl->abort));
     }
+    // Every lane's reads of the stage (wgmma and the scales in it) happen before its warp's arrival
     __device__ void release_stage(uint32_t stage_iter, const MathThread& mt) {
+        __syncwarp();
         if (mt.lane == 0) mbarrier_arrive(sm.empty + stage_iter % kNumStages);
     }
 
@@ -603,24 +614,35 @@ struct Kernel {
     // K-major layout that TMA would have produced, so the FP8 wgmma path runs unchanged. Code c of a
     // 32-wide group with exponent delta d becomes fp4_table[d][c] = RNE_e4m3(e2m1(c) * 2^(6 - d));
     // the rest of the scale (2^(base - 133)) is the FP32 block scale applied at promotion.
-    __device__ void expand_fp4_tile(int s, int rows) {
+    // Unrolled with every load of a thread issued first: the loop is latency-bound otherwise.
+    template <int kRows>
+    __device__ void expand_fp4_tile(int s) {
+        constexpr int kPerThread = kRows * 8 / kNumMathThreads;    // 16 E4M3 outputs = 8 packed bytes per chunk
+        static_assert(kRows * 8 % kNumMathThreads == 0);
         const uint8_t* packed = sm.stage_packed_b(s);
         const uint8_t* deltas = sm.stage_deltas(s);      // [row block][128 rows][4 groups]
         uint8_t* tile = sm.stage_b(s);
         const int math_thread = static_cast<int>(threadIdx.x) - 128;
-        for (int c = math_thread; c < rows * 8; c += kNumMathThreads) {
-            const int r = c >> 3, chunk = c & 7;     // 16 E4M3 outputs = 8 packed bytes per chunk
-            const uint2 q = *reinterpret_cast<const uint2*>(packed + r * kMegaMoEPackedRowBytes + chunk * 8);
+        uint2 q[kPerThread];
+        int d[kPerThread];
+        #pragma unroll
+        for (int u = 0; u < kPerThread; ++u) {
+            const int c = math_thread + u * kNumMathThreads, r = c >> 3, chunk = c & 7;
+            q[u] = *reinterpret_cast<const uint2*>(packed + r * kMegaMoEPackedRowBytes + chunk * 8);
             // Weights are host data: mask the delta so a corrupted byte cannot index past the table
-            const int d = deltas[(r >> 7) * 512 + (r & 127) * 4 + (chunk >> 1)] & 15;
+            d[u] = deltas[(r >> 7) * 512 + (r & 127) * 4 + (chunk >> 1)] & 15;
+        }
+        #pragma unroll
+        for (int u = 0; u < kPerThread; ++u) {
+            const int c = math_thread + u * kNumMathThreads, r = c >> 3, chunk = c & 7;
             // E4M3 is sign-magnitude: the 8 magnitudes of this delta (one 8-byte row of the table)
             // go through PRMT, 4 codes per instruction, and the code's sign bit is moved to bit 7
-            const uint2 mag = *reinterpret_cast<const uint2*>(sm.fp4_table + d * 16);
+            const uint2 mag = *reinterpret_cast<const uint2*>(sm.fp4_table + d[u] * 16);
             uint32_t out[4];
             #pragma unroll
             for (int w = 0; w < 4; ++w) {
-                const uint32_t codes = (w < 2 ? q.x : q.y) >> ((w & 1) * 16);   // 4 nibbles, element order
-                uint32_t sign = codes & 0x8888u;                                  // nibble bit 3 -> byte bit 7
+                const uint32_t codes = (w < 2 ? q[u].x : q[u].y) >> ((w & 1) * 16);   // 4 nibbles, element order
+                uint32_t sign = codes & 0x8888u;                                        // nibble bit 3 -> byte bit 7
                 sign = (sign | (sign << 8)) & 0x00880088u;
                 sign = (sign | (sign << 4)) & 0x08080808u;
                 out[w] = __byte_perm(mag.x, mag.y, codes & 0x7777u) | (sign << 4);
@@ -635,9 +657,18 @@ struct Kernel {
         named_barrier(kBarrierMathAll, kNumMathThreads);
     }
 
-    // L1: acc[0:64] gate, acc[64:128] up (column c of gate pairs with column c of up)
-    // L1 also returns the top-k weights of this thread's two rows (read while the MMAs run)
-    __device__ bool l1_mainloop(int m, int le, int j, uint32_t& stage_iter, const MathThread& mt, float (&acc)[128], float (&row_w)[2]) {
+    // Accumulators per thread. L1: 128 (gate | up, 64 each) or, split, 64 (this warpgroup's half);
+    // L2: 64 (128 columns) or, split, 32 (64 columns)
+    static constexpr int kL1Acc = kSplitN ? 64 : 128;
+    static constexpr int kL2Cols = kSplitN ? 64 : 128;
+    static constexpr int kL2Acc = kL2Cols / 2;
+    using FP8L2Mma = std::conditional_t<kSplitN, mma::FP8MmaN64, mma::FP8MmaN128>;
+    using BF16L1Mma = std::conditional_t<kSplitN, mma::BF16MmaN128, mma::BF16MmaN256>;
+    using BF16L2Mma = std::conditional_t<kSplitN, mma::BF16MmaN64, mma::BF16MmaN128>;
+
+    // L1 (column c of gate pairs with column c of up). Also returns the top-k weights of this
+    // thread's two rows (read while the MMAs run).
+    __device__ bool l1_mainloop(int m, int le, int j, uint32_t& stage_iter, const MathThread& mt, float (&acc)[kL1Acc], float (&row_w)[2]) {
         const int num_kb = lay.hidden / BLOCK_K;
         const int64_t g0 = static_cast<int64_t>(m) * BLOCK_M + mt.row_in_tile(0);
         auto read_task_inputs = [&] {
@@ -645,37 +676,39 @@ struct Kernel {
             row_w[0] = __ldcg(mine<float>(lay.row_weight) + g0);
             row_w[1] = __ldcg(mine<float>(lay.row_weight) + g0 + 8);
         };
+        const uint32_t a_offset = mt.row0() * 128, b_offset = kSplitN ? mt.wg * 128 * 128 : 0;
         if constexpr (kFP8) {
+            constexpr int kHalves = kSplitN ? 1 : 2;        // gate and up here, or this warpgroup's one
             float part[64];
             #pragma unroll
-            for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+            for (int i = 0; i < kL1Acc; ++i) acc[i] = 0.0f;
             // gate and up scale rows are adjacent: [gate K-blocks | up K-blocks]
             const float* b_sf = load_weight_scales(
                 p.l1_weight_scales + (static_cast<int64_t>(le) * (2 * lay.intermediate_hidden / 128) + 2 * j) * num_kb, 2 * num_kb, mt);
             for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
                 if (not wait_full(stage_iter)) return false;
                 if (kb == 0 and mt.tid == 0) trace(kTraceL1FirstStage, true);
+                if (kb < kTraceKbSlots and mt.tid == 0 and mt.wg == 0) trace(kTraceKbReady + kb, true);
                 const int s = stage_iter % kNumStages;
-                if constexpr (kFP4) expand_fp4_tile(s, kMegaMoEBlockNL1);
+                if constexpr (kFP4) expand_fp4_tile<kMegaMoEBlockNL1>(s);
                 const float sa0 = sm.stage_sf(s)[mt.row_in_tile(0)], sa1 = sm.stage_sf(s)[mt.row_in_tile(1)];
-                const float sg = b_sf[kb], su = b_sf[num_kb + kb];
-                const uint64_t da = mma::make_k_major_sw128_desc(sm.stage_a(s) + mt.wg * 64 * 128);
-                const uint64_t dg = mma::make_k_major_sw128_desc(sm.stage_b(s));
-                const uint64_t du = mma::make_k_major_sw128_desc(sm.stage_b(s) + 128 * 128);
+                const uint64_t da = mma::make_k_major_sw128_desc(sm.stage_a(s) + a_offset);
                 #pragma unroll
-                for (int half = 0; half < 2; ++half) {
+                for (int half = 0; half < kHalves; ++half) {
+                    const int which = kSplitN ? mt.wg : half;     // 0 gate, 1 up
+                    const uint64_t db = mma::make_k_major_sw128_desc(sm.stage_b(s) + b_offset + half * 128 * 128);
                     mma::fence_operands(part);
                     mma::warpgroup_arrive();
                     #pragma unroll
                     for (int ks = 0; ks < kKStepsPerStage; ++ks)
                         mma::FP8MmaN128::fma(mma::advance_desc(da, ks * mma::kWgmmaKBytes),
-                                             mma::advance_desc(half == 0 ? dg : du, ks * mma::kWgmmaKBytes), part, ks > 0);
+                                             mma::advance_desc(db, ks * mma::kWgmmaKBytes), part, ks > 0);
                     mma::warpgroup_commit();
                     if (kb == 0 and half == 0) read_task_inputs();
                     mma::warpgroup_wait<0>();
                     mma::fence_operands(part);
-                    if (half == 1) release_stage(stage_iter, mt);
-                    const float sb = half == 0 ? sg : su;
+                    if (half == kHalves - 1) release_stage(stage_iter, mt);
+                    const float sb = b_sf[which * num_kb + kb];
                     const float s0 = sa0 * sb, s1 = sa1 * sb;
                     #pragma unroll
                     for (int i = 0; i < 64; ++i) acc[half * 64 + i] += part[i] * ((i & 2) ? s1 : s0);
@@ -685,14 +718,14 @@ struct Kernel {
             for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
                 if (not wait_full(stage_iter)) return false;
                 const int s = stage_iter % kNumStages;
-                const uint64_t da = mma::make_k_major_sw128_desc(sm.stage_a(s) + mt.wg * 64 * 128);
-                const uint64_t db = mma::make_k_major_sw128_desc(sm.stage_b(s));
+                const uint64_t da = mma::make_k_major_sw128_desc(sm.stage_a(s) + a_offset);
+                const uint64_t db = mma::make_k_major_sw128_desc(sm.stage_b(s) + b_offset);
                 mma::fence_operands(acc);
                 mma::warpgroup_arrive();
                 #pragma unroll
                 for (int ks = 0; ks < kKStepsPerStage; ++ks)
-                    mma::BF16MmaN256::fma(mma::advance_desc(da, ks * mma::kWgmmaKBytes), mma::advance_desc(db, ks * mma::kWgmmaKBytes),
-                                          acc, kb > 0 or ks > 0);
+                    BF16L1Mma::fma(mma::advance_desc(da, ks * mma::kWgmmaKBytes), mma::advance_desc(db, ks * mma::kWgmmaKBytes),
+                                   acc, kb > 0 or ks > 0);
                 mma::warpgroup_commit();
                 if (kb == 0) read_task_inputs();
                 mma::warpgroup_wait<0>();
@@ -703,47 +736,48 @@ struct Kernel {
         return true;
     }
 
-    __device__ bool l2_mainloop(int m, int le, int j, uint32_t& stage_iter, const MathThread& mt, float (&acc)[64]) {
+    __device__ bool l2_mainloop(int m, int le, int j, uint32_t& stage_iter, const MathThread& mt, float (&acc)[kL2Acc]) {
         const int num_kb = lay.intermediate_hidden / BLOCK_K;
+        const uint32_t a_offset = mt.row0() * 128, b_offset = kSplitN ? mt.wg * 64 * 128 : 0;
         if constexpr (kFP8) {
-            float part[64];
+            float part[kL2Acc];
             #pragma unroll
-            for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+            for (int i = 0; i < kL2Acc; ++i) acc[i] = 0.0f;
             const float* b_sf = load_weight_scales(
                 p.l2_weight_scales + (static_cast<int64_t>(le) * (lay.hidden / 128) + j) * num_kb, num_kb, mt);
             for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
                 if (not wait_full(stage_iter)) return false;
                 const int s = stage_iter % kNumStages;
-                if constexpr (kFP4) expand_fp4_tile(s, kMegaMoEBlockNL2);
+                if constexpr (kFP4) expand_fp4_tile<kMegaMoEBlockNL2>(s);
                 const float sb = b_sf[kb];
                 const float s0 = sm.stage_sf(s)[mt.row_in_tile(0)] * sb, s1 = sm.stage_sf(s)[mt.row_in_tile(1)] * sb;
-                const uint64_t da = mma::make_k_major_sw128_desc(sm.stage_a(s) + mt.wg * 64 * 128);
-                const uint64_t db = mma::make_k_major_sw128_desc(sm.stage_b(s));
+                const uint64_t da = mma::make_k_major_sw128_desc(sm.stage_a(s) + a_offset);
+                const uint64_t db = mma::make_k_major_sw128_desc(sm.stage_b(s) + b_offset);
                 mma::fence_operands(part);
                 mma::warpgroup_arrive();
                 #pragma unroll
                 for (int ks = 0; ks < kKStepsPerStage; ++ks)
-                    mma::FP8MmaN128::fma(mma::advance_desc(da, ks * mma::kWgmmaKBytes), mma::advance_desc(db, ks * mma::kWgmmaKBytes), part, ks > 0);
+                    FP8L2Mma::fma(mma::advance_desc(da, ks * mma::kWgmmaKBytes), mma::advance_desc(db, ks * mma::kWgmmaKBytes), part, ks > 0);
                 mma::warpgroup_commit();
                 if (kb == 0) acquire_task_inputs(false, m);
                 mma::warpgroup_wait<0>();
                 mma::fence_operands(part);
                 release_stage(stage_iter, mt);
                 #pragma unroll
-                for (int i = 0; i < 64; ++i) acc[i] += part[i] * ((i & 2) ? s1 : s0);
+                for (int i = 0; i < kL2Acc; ++i) acc[i] += part[i] * ((i & 2) ? s1 : s0);
             }
         } else {
             for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
                 if (not wait_full(stage_iter)) return false;
                 const int s = stage_iter % kNumStages;
-                const uint64_t da = mma::make_k_major_sw128_desc(sm.stage_a(s) + mt.wg * 64 * 128);
-                const uint64_t db = mma::make_k_major_sw128_desc(sm.stage_b(s));
+                const uint64_t da = mma::make_k_major_sw128_desc(sm.stage_a(s) + a_offset);
+                const uint64_t db = mma::make_k_major_sw128_desc(sm.stage_b(s) + b_offset);
                 mma::fence_operands(acc);
                 mma::warpgroup_arrive();
                 #pragma unroll
                 for (int ks = 0; ks < kKStepsPerStage; ++ks)
-                    mma::BF16MmaN128::fma(mma::advance_desc(da, ks * mma::kWgmmaKBytes), mma::advance_desc(db, ks * mma::kWgmmaKBytes),
-                                          acc, kb > 0 or ks > 0);
+                    BF16L2Mma::fma(mma::advance_desc(da, ks * mma::kWgmmaKBytes), mma::advance_desc(db, ks * mma::kWgmmaKBytes),
+                                   acc, kb > 0 or ks > 0);
                 mma::warpgroup_commit();
                 if (kb == 0) acquire_task_inputs(false, m);
                 mma::warpgroup_wait<0>();
@@ -754,29 +788,52 @@ struct Kernel {
         return true;
     }
 
-    // L1 epilogue: SwiGLU (+clamp) x top-k weight, FP8 per-128 quantization (or BF16), into the L2 pool
-    __device__ void l1_epilogue(int m, int j, const MathThread& mt, float (&acc)[128], const float (&row_w)[2]) {
-        uint8_t* tile = sm.epilogue + mt.wg * 64 * kMegaMoEEpilogueRowBytes;
+    // Split L1: warpgroup 1 hands its up accumulators to warpgroup 0 through the epilogue tile, in
+    // two passes of 32 per thread (16 KB each), i-major so consecutive threads hit consecutive banks.
+    // Returns whether this thread continues with the epilogue (warpgroup 0).
+    __device__ bool l1_gather_up(const MathThread& mt, const float (&acc)[kL1Acc], float (&up)[64]) {
+        auto* xchg = reinterpret_cast<float*>(sm.epilogue);
+        static_assert(32 * 128 * 4 <= mega_moe_epilogue_bytes(64), "exchange fits the epilogue tile");
+        #pragma unroll
+        for (int pass = 0; pass < 2; ++pass) {
+            if (mt.wg == 1) {
+                #pragma unroll
+                for (int i = 0; i < 32; ++i) xchg[i * 128 + mt.tid] = acc[pass * 32 + i];
+            }
+            named_barrier(kBarrierMathAll, kNumMathThreads);
+            if (mt.wg == 0) {
+                #pragma unroll
+                for (int i = 0; i < 32; ++i) up[pass * 32 + i] = xchg[i * 128 + mt.tid];
+            }
+            named_barrier(kBarrierMathAll, kNumMathThreads);
+        }
+        return mt.wg == 0;
+    }
+
+    // L1 epilogue: SwiGLU (+clamp) x top-k weight, FP8 per-128 quantization (or BF16), into the L2 pool.
+    // gate[i] and up[i] are the same (row, column) of the two halves.
+    __device__ void l1_epilogue(int m, int j, const MathThread& mt, float* gate, const float* up, const float (&row_w)[2]) {
+        uint8_t* tile = sm.epilogue + mt.row0() * kMegaMoEEpilogueRowBytes;
         const float clamp = p.activation_clamp;
         #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const int r = mt.row_in_tile(half);
             const int64_t g = static_cast<int64_t>(m) * BLOCK_M + r;
             const float w = row_w[half];
-            // The activation overwrites the gate accumulator in place (no extra 32 registers)
+            // The activation overwrites the gate accumulator in place
             float amax = 0.0f;
             #pragma unroll
             for (int q = 0; q < 16; ++q) {
                 #pragma unroll
                 for (int b = 0; b < 2; ++b) {
                     const int i = q * 4 + half * 2 + b;
-                    const float gate = fminf(acc[i], clamp);
-                    const float up = fminf(fmaxf(acc[64 + i], -clamp), clamp);
-                    acc[i] = silu<kFastMath>(gate) * up * w;
-                    amax = fmaxf(amax, fabsf(acc[i]));
+                    const float gt = fminf(gate[i], clamp);
+                    const float u = fminf(fmaxf(up[i], -clamp), clamp);
+                    gate[i] = silu<kFastMath>(gt) * u * w;
+                    amax = fmaxf(amax, fabsf(gate[i]));
                 }
             }
-            uint8_t* row = tile + (r - mt.wg * 64) * kMegaMoEEpilogueRowBytes;
+            uint8_t* row = tile + (r - mt.row0()) * kMegaMoEEpilogueRowBytes;
             const int col0 = (mt.lane % 4) * 2;
             if constexpr (kFP8) {
                 // the 4 lanes of a quad hold the 128 columns of this row
@@ -789,7 +846,7 @@ struct Kernel {
                 #pragma unroll
                 for (int q = 0; q < 16; ++q) {
                     const int i = q * 4 + half * 2;
-                    const __nv_fp8x2_storage_t pair = __nv_cvt_float2_to_fp8x2(make_float2(acc[i] * inv, acc[i + 1] * inv), __NV_SATFINITE, __NV_E4M3);
+                    const __nv_fp8x2_storage_t pair = __nv_cvt_float2_to_fp8x2(make_float2(gate[i] * inv, gate[i + 1] * inv), __NV_SATFINITE, __NV_E4M3);
                     *reinterpret_cast<__nv_fp8x2_storage_t*>(row + q * 8 + col0) = pair;
                 }
                 if (mt.lane % 4 == 0) mine<float>(lay.l2_sf)[static_cast<int64_t>(j) * lay.num_pool_rows + g] = __fdiv_rn(amax, 448.0f);
@@ -797,7 +854,7 @@ struct Kernel {
                 #pragma unroll
                 for (int q = 0; q < 16; ++q) {
                     const int i = q * 4 + half * 2;
-                    *reinterpret_cast<__nv_bfloat162*>(row + (q * 8 + col0) * 2) = __floats2bfloat162_rn(acc[i], acc[i + 1]);
+                    *reinterpret_cast<__nv_bfloat162*>(row + (q * 8 + col0) * 2) = __floats2bfloat162_rn(gate[i], gate[i + 1]);
                 }
             }
         }
@@ -807,7 +864,7 @@ struct Kernel {
         auto* l2_act = mine<uint8_t>(lay.l2_act);
         for (int c = mt.tid; c < 64 * kChunks; c += 128) {
             const int r = c / kChunks, col = (c % kChunks) * 16;
-            const int64_t g = static_cast<int64_t>(m) * BLOCK_M + mt.wg * 64 + r;
+            const int64_t g = static_cast<int64_t>(m) * BLOCK_M + mt.row0() + r;
             *reinterpret_cast<int4*>(l2_act + g * lay.intermediate_hidden * kActBytes + j * kRowBytes + col) =
                 *reinterpret_cast<const int4*>(tile + r * kMegaMoEEpilogueRowBytes + col);
         }
@@ -818,25 +875,30 @@ struct Kernel {
         if (mt.tid == 0) red_release_gpu_add(mine<uint32_t>(lay.mblock_l1_done) + m, 1);
     }
 
-    // L2 epilogue: BF16 rows straight into the source rank's combine slot [k][token][hidden]
-    __device__ void l2_epilogue(int m, int j, const MathThread& mt, float (&acc)[64]) {
-        uint8_t* tile = sm.epilogue + mt.wg * 64 * kMegaMoEEpilogueRowBytes;
+    // L2 epilogue: BF16 rows straight into the source rank's combine slot [k][token][hidden]. Split:
+    // each warpgroup writes its 64 columns into the tile, then both copy the 64 x 128 block out.
+    __device__ void l2_epilogue(int m, int j, const MathThread& mt, float (&acc)[kL2Acc]) {
+        constexpr int kGroupThreads = kSplitN ? kNumMathThreads : 128;
+        const int group_barrier = kSplitN ? kBarrierMathAll : kBarrierMathBase + mt.wg;
+        const int group_tid = kSplitN ? mt.wg * 128 + mt.tid : mt.tid;
+        uint8_t* tile = sm.epilogue + mt.row0() * kMegaMoEEpilogueRowBytes;
+        const int col_base = kSplitN ? mt.wg * 64 : 0;
         #pragma unroll
         for (int half = 0; half < 2; ++half) {
-            uint8_t* row = tile + (mt.row_in_tile(half) - mt.wg * 64) * kMegaMoEEpilogueRowBytes;
+            uint8_t* row = tile + (mt.row_in_tile(half) - mt.row0()) * kMegaMoEEpilogueRowBytes;
             #pragma unroll
-            for (int q = 0; q < 16; ++q) {
+            for (int q = 0; q < kL2Cols / 8; ++q) {
                 const int i = q * 4 + half * 2;
-                *reinterpret_cast<__nv_bfloat162*>(row + (q * 8 + (mt.lane % 4) * 2) * 2) = __floats2bfloat162_rn(acc[i], acc[i + 1]);
+                *reinterpret_cast<__nv_bfloat162*>(row + (col_base + q * 8 + (mt.lane % 4) * 2) * 2) = __floats2bfloat162_rn(acc[i], acc[i + 1]);
             }
         }
-        named_barrier(kBarrierMathBase + mt.wg, 128);
+        named_barrier(group_barrier, kGroupThreads);
         const int* row_info = mine<int>(lay.row_info);
         const int n_max = lay.num_max_tokens_per_rank, topk = lay.num_topk;
         constexpr int kChunks = 128 * 2 / 16;
-        for (int c = mt.tid; c < 64 * kChunks; c += 128) {
+        for (int c = group_tid; c < 64 * kChunks; c += kGroupThreads) {
             const int r = c / kChunks, col = (c % kChunks) * 16;
-            const int info = __ldcg(row_info + static_cast<int64_t>(m) * BLOCK_M + mt.wg * 64 + r);
+            const int info = __ldcg(row_info + static_cast<int64_t>(m) * BLOCK_M + mt.row0() + r);
             if (info < 0) continue;
             const int src = info / (n_max * topk), token = (info % (n_max * topk)) / topk, k = info % topk;
             auto* dst = peer<uint8_t>(src, lay.combine) + ((static_cast<int64_t>(k) * n_max + token) * lay.hidden + j * 128) * 2 + col;
@@ -844,9 +906,9 @@ struct Kernel {
         }
         // release (system scope): the source rank's combine reads these rows after our signal
         __threadfence_system();
-        named_barrier(kBarrierMathBase + mt.wg, 128);
-        if (mt.tid == 0) {
-            const uint32_t target = static_cast<uint32_t>(tasks.num_mblocks * tasks.num_l2_nblocks * kNumMathWGs);
+        named_barrier(group_barrier, kGroupThreads);
+        if (group_tid == 0) {
+            const uint32_t target = static_cast<uint32_t>(tasks.num_mblocks * tasks.num_l2_nblocks * kRowGroups);
             if (atom_acq_rel_gpu_add(mine<uint32_t>(lay.control) + L::kControlL2TasksDone, 1) + 1 == target)
                 signal_combine_ready();
         }
@@ -873,14 +935,19 @@ struct Kernel {
             if (named_barrier_or(kBarrierMathAll, kNumMathThreads, t >= total or sm.ctrl->abort)) break;
             if (t >= tasks.pull_end() and t < tasks.l1_end()) {
                 const int idx = t - tasks.pull_end(), m = idx / tasks.num_l1_nblocks, j = idx % tasks.num_l1_nblocks;
-                float acc[128], row_w[2];
+                float acc[kL1Acc], row_w[2];
                 if (mt.tid == 0) trace(kTraceL1Begin, true);
                 if (not l1_mainloop(m, expert_of_mblock(m), j, stage_iter, mt, acc, row_w)) break;
-                l1_epilogue(m, j, mt, acc, row_w);
-                if (mt.tid == 0) trace(kTraceL1End);
+                if constexpr (kSplitN) {
+                    float up[64];
+                    if (l1_gather_up(mt, acc, up)) l1_epilogue(m, j, mt, acc, up, row_w);
+                } else {
+                    l1_epilogue(m, j, mt, acc, acc + 64, row_w);
+                }
+                if (mt.tid == 0 and mt.wg == 0) trace(kTraceL1End);
             } else if (t >= tasks.l1_end() and t < tasks.l2_end()) {
                 const int idx = t - tasks.l1_end(), m = idx / tasks.num_l2_nblocks, j = idx % tasks.num_l2_nblocks;
-                float acc[64];
+                float acc[kL2Acc];
                 if (mt.tid == 0) trace(kTraceL2Begin, true);
                 if (not l2_mainloop(m, expert_of_mblock(m), j, stage_iter, mt, acc)) break;
                 l2_epilogue(m, j, mt, acc);
@@ -958,7 +1025,7 @@ struct Kernel {
             __syncthreads();
 
             if (warp < 4) {
-                setmaxnreg_dec<kProducerRegisters<kNumMathWGs>>();
+                setmaxnreg_dec<kProducerRegisters>();
                 if (warp == 0) {
                     if (elect_one()) scheduler(tm_l1_act, tm_l1_w, tm_l2_act, tm_l2_w);
                     __syncwarp();
@@ -966,7 +1033,7 @@ struct Kernel {
                     dispatch_worker();
                 }
             } else {
-                setmaxnreg_inc<kMathRegisters<kNumMathWGs>>();
+                setmaxnreg_inc<kMathRegisters>();
                 math(warp / 4 - 1);
             }
             // The call's closing barrier: this rank's next call writes counts and source indices into
