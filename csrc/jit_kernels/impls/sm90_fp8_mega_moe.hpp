@@ -114,6 +114,12 @@ inline MegaMoEConfig launch_sm90_mega_moe(const SM90MegaMoEArgs& a) {
     params.timeout_ns = static_cast<uint64_t>(a.timeout_s * 1e9);
     params.host_status = reinterpret_cast<uint64_t*>(a.host_status);
     params.trace = reinterpret_cast<uint64_t*>(a.trace);
+    // Tuning aid (docs/KERNEL.md): DG_MEGA_MOE_PREFETCH_STAGES caps the weight prefetch; default all stages
+    static const int prefetch_override = [] {
+        const std::string v = jit::get_env("DG_MEGA_MOE_PREFETCH_STAGES");
+        return v.empty() ? -1 : std::max(0, std::stoi(v));
+    }();
+    params.num_prefetch_stages = prefetch_override >= 0 ? std::min(prefetch_override, config.num_stages) : config.num_stages;
 
     const auto& lay = params.layout;
     const bool fp8 = is_fp8_activation(a.mma_type);

@@ -100,6 +100,7 @@ struct MegaMoEParams {
     uint64_t timeout_ns;
     uint64_t* host_status;              // pinned, host-mapped mirror of the status word, or nullptr
     uint64_t* trace;                    // [grid][kTraceSlots] %globaltimer stamps (scripts/trace.py), or nullptr
+    int num_prefetch_stages;            // weight stages a task streams before its inputs are ready
 };
 
 // `SymmBuffer.stage(x, topk_idx, topk_weights)`: one launch that fills a rank's inputs

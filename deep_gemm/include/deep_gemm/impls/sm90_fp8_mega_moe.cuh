@@ -42,7 +42,10 @@ constexpr int kNumDispatchThreads = kNumDispatchWarps * 32;
 // Named barrier ids (0 is __syncthreads)
 constexpr int kBarrierDispatch = 1;
 constexpr int kBarrierMathBase = 2;  // + math warpgroup index (2, 3)
-constexpr int kBarrierMathAll = 4;   // every math warpgroup (FP4 tile expansion)
+constexpr int kBarrierMathAll = 4;   // every math warpgroup (FP4 tile expansion, split-column exchange)
+// bar.red decisions (leave on abort) get barriers of their own, apart from those that order data
+constexpr int kBarrierDispatchDecide = 5;
+constexpr int kBarrierMathDecide = 6;
 // Register quotas after `setmaxnreg` (384 threads): 128 x 40 + 256 x 232 <= 64K
 constexpr int kProducerRegisters = 40;
 constexpr int kMathRegisters = 232;
@@ -115,7 +118,7 @@ struct Kernel {
     // Two math warpgroups: BLOCK_M = 128 gives each 64 rows; BLOCK_M = 64 splits the columns
     static constexpr int kNumMathWGs = 2;
     static constexpr bool kSplitN = BLOCK_M == 64;
-    static constexpr int kRowGroups = BLOCK_M / 64;   // warpgroups that finish an L1 / L2 tile (release counters)
+    static constexpr int kRowGroups = BLOCK_M / 64;   // warpgroups that run an L1 epilogue (l1_done releases per task)
     static constexpr int kNumThreads = 128 * (1 + kNumMathWGs);
     static constexpr int BLOCK_K = mega_moe_block_k(kMmaType);      // one 128-byte swizzle row
     static constexpr int kABytes = BLOCK_M * 128;
@@ -514,7 +517,7 @@ struct Kernel {
             // Weights do not depend on this call's routing: stream the first stages of B while the
             // M-block's tokens (L1) or its L1 outputs (L2) are still on their way. In decode this
             // overlaps nearly all L2 weight traffic with L1, and all of it with dispatch.
-            const int num_prefetch = min_of(num_kb, kNumStages);
+            const int num_prefetch = min_of(num_kb, min_of(kNumStages, p.num_prefetch_stages));
             bool ok = true;
             for (int kb = 0; kb < num_prefetch and ok; ++kb) ok = claim_stage(stage_iter + kb);
 
@@ -559,7 +562,7 @@ struct Kernel {
         for (int i = 0;; ++i) {
             const int t = next_task(i, total);
             // one decision for the whole group (its next named barrier needs every thread)
-            if (named_barrier_or(kBarrierDispatch, kNumDispatchThreads, t >= total or sm.ctrl->abort)) break;
+            if (named_barrier_or(kBarrierDispatchDecide, kNumDispatchThreads, t >= total or sm.ctrl->abort)) break;
             if (t < tasks.pull_end()) pull(t, dispatch_thread);
             else if (t >= tasks.l2_end())
                 combine<2>(t - tasks.l2_end(), dispatch_thread, dispatch_thread, kNumDispatchThreads, kBarrierDispatch);
@@ -602,7 +605,7 @@ struct Kernel {
         const int s = stage_iter % kNumStages;
         const bool ok = bounded_wait(p, sm.ctrl, Phase::kPipeline, p.rank,
                                      [&] { return mbarrier_try_wait(sm.full + s, (stage_iter / kNumStages) & 1); });
-        return not named_barrier_or(kBarrierMathAll, kNumMathThreads, not ok or *reinterpret_cast<volatile int*>(&sm.ctrl->abort));
+        return not named_barrier_or(kBarrierMathDecide, kNumMathThreads, not ok or *reinterpret_cast<volatile int*>(&sm.ctrl->abort));
     }
     // Every lane's reads of the stage (wgmma and the scales in it) happen before its warp's arrival
     __device__ void release_stage(uint32_t stage_iter, const MathThread& mt) {
@@ -875,14 +878,12 @@ struct Kernel {
         if (mt.tid == 0) red_release_gpu_add(mine<uint32_t>(lay.mblock_l1_done) + m, 1);
     }
 
-    // L2 epilogue: BF16 rows straight into the source rank's combine slot [k][token][hidden]. Split:
-    // each warpgroup writes its 64 columns into the tile, then both copy the 64 x 128 block out.
+    // L2 epilogue: BF16 rows straight into the source rank's combine slot [k][token][hidden]. Each
+    // warpgroup stages and copies out only its own part of the tile (its 64 rows, or split: its 64
+    // columns), so the two never share shared-memory bytes here.
     __device__ void l2_epilogue(int m, int j, const MathThread& mt, float (&acc)[kL2Acc]) {
-        constexpr int kGroupThreads = kSplitN ? kNumMathThreads : 128;
-        const int group_barrier = kSplitN ? kBarrierMathAll : kBarrierMathBase + mt.wg;
-        const int group_tid = kSplitN ? mt.wg * 128 + mt.tid : mt.tid;
         uint8_t* tile = sm.epilogue + mt.row0() * kMegaMoEEpilogueRowBytes;
-        const int col_base = kSplitN ? mt.wg * 64 : 0;
+        const int col_base = kSplitN ? mt.wg * 64 : 0;      // columns of the 128-wide N-block
         #pragma unroll
         for (int half = 0; half < 2; ++half) {
             uint8_t* row = tile + (mt.row_in_tile(half) - mt.row0()) * kMegaMoEEpilogueRowBytes;
@@ -892,12 +893,12 @@ struct Kernel {
                 *reinterpret_cast<__nv_bfloat162*>(row + (col_base + q * 8 + (mt.lane % 4) * 2) * 2) = __floats2bfloat162_rn(acc[i], acc[i + 1]);
             }
         }
-        named_barrier(group_barrier, kGroupThreads);
+        named_barrier(kBarrierMathBase + mt.wg, 128);
         const int* row_info = mine<int>(lay.row_info);
         const int n_max = lay.num_max_tokens_per_rank, topk = lay.num_topk;
-        constexpr int kChunks = 128 * 2 / 16;
-        for (int c = group_tid; c < 64 * kChunks; c += kGroupThreads) {
-            const int r = c / kChunks, col = (c % kChunks) * 16;
+        constexpr int kChunks = kL2Cols * 2 / 16;          // 16-byte chunks of this warpgroup's columns
+        for (int c = mt.tid; c < 64 * kChunks; c += 128) {
+            const int r = c / kChunks, col = col_base * 2 + (c % kChunks) * 16;
             const int info = __ldcg(row_info + static_cast<int64_t>(m) * BLOCK_M + mt.row0() + r);
             if (info < 0) continue;
             const int src = info / (n_max * topk), token = (info % (n_max * topk)) / topk, k = info % topk;
@@ -906,9 +907,9 @@ struct Kernel {
         }
         // release (system scope): the source rank's combine reads these rows after our signal
         __threadfence_system();
-        named_barrier(group_barrier, kGroupThreads);
-        if (group_tid == 0) {
-            const uint32_t target = static_cast<uint32_t>(tasks.num_mblocks * tasks.num_l2_nblocks * kRowGroups);
+        named_barrier(kBarrierMathBase + mt.wg, 128);
+        if (mt.tid == 0) {
+            const uint32_t target = static_cast<uint32_t>(tasks.num_mblocks * tasks.num_l2_nblocks * kNumMathWGs);
             if (atom_acq_rel_gpu_add(mine<uint32_t>(lay.control) + L::kControlL2TasksDone, 1) + 1 == target)
                 signal_combine_ready();
         }
@@ -932,7 +933,7 @@ struct Kernel {
         for (int i = 0;; ++i) {
             const int t = next_task(i, total);
             // Leave together: the math warpgroups meet at barriers and wgmma until the task ends
-            if (named_barrier_or(kBarrierMathAll, kNumMathThreads, t >= total or sm.ctrl->abort)) break;
+            if (named_barrier_or(kBarrierMathDecide, kNumMathThreads, t >= total or sm.ctrl->abort)) break;
             if (t >= tasks.pull_end() and t < tasks.l1_end()) {
                 const int idx = t - tasks.pull_end(), m = idx / tasks.num_l1_nblocks, j = idx % tasks.num_l1_nblocks;
                 float acc[kL1Acc], row_w[2];
