@@ -118,7 +118,6 @@ struct Kernel {
     // Two math warpgroups: BLOCK_M = 128 gives each 64 rows; BLOCK_M = 64 splits the columns
     static constexpr int kNumMathWGs = 2;
     static constexpr bool kSplitN = BLOCK_M == 64;
-    static constexpr int kRowGroups = BLOCK_M / 64;   // warpgroups that run an L1 epilogue (l1_done releases per task)
     static constexpr int kNumThreads = 128 * (1 + kNumMathWGs);
     static constexpr int BLOCK_K = mega_moe_block_k(kMmaType);      // one 128-byte swizzle row
     static constexpr int kABytes = BLOCK_M * 128;
@@ -525,7 +524,7 @@ struct Kernel {
             ok = ok and (is_l1
                 ? bounded_wait(p, sm.ctrl, Phase::kL1Wait, p.rank, [&] { return ld_acquire_gpu(arrival + m) >= 1; })
                 : bounded_wait(p, sm.ctrl, Phase::kL2Wait, p.rank, [&] {
-                      return ld_acquire_gpu(l1_done + m) >= static_cast<uint32_t>(tasks.num_l1_nblocks * kRowGroups); }));
+                      return ld_acquire_gpu(l1_done + m) >= static_cast<uint32_t>(tasks.num_l1_nblocks * kNumMathWGs); }));
             if (not ok) break;
             fence_proxy_async_global();
             for (int kb = 0; kb < num_kb and ok; ++kb) {
@@ -571,9 +570,9 @@ struct Kernel {
 
     // ------------------------------------------------------------------------------------------
     // Math warpgroups. BLOCK_M = 128: each warpgroup owns 64 rows and all columns of a tile.
-    // BLOCK_M = 64 (decode): both warpgroups share the 64 rows and split the columns (L1: gate |
-    // up, L2: two halves of 64), so the MMAs of one K-block run on both at once instead of one
-    // after the other; the L1 epilogue brings the up half to warpgroup 0 through shared memory.
+    // BLOCK_M = 64 (decode): both warpgroups share the 64 rows and split the columns (L1: gate and
+    // up of 64 of the 128 output columns each, L2: 64 of 128), so the MMAs of one K-block run on
+    // both at once instead of one after the other, and each runs half of every epilogue.
     struct MathThread {
         int wg, tid, warp, lane;
         __device__ int row_in_tile(int half) const { return (kSplitN ? 0 : wg * 64) + warp * 16 + lane / 4 + 8 * half; }
@@ -660,13 +659,16 @@ struct Kernel {
         named_barrier(kBarrierMathAll, kNumMathThreads);
     }
 
-    // Accumulators per thread. L1: 128 (gate | up, 64 each) or, split, 64 (this warpgroup's half);
-    // L2: 64 (128 columns) or, split, 32 (64 columns)
-    static constexpr int kL1Acc = kSplitN ? 64 : 128;
+    // Columns per warpgroup and accumulators per thread. L1: gate and up of kL1Cols output columns
+    // (acc[0, kL1Half) gate, acc[kL1Half, 2 kL1Half) up; split: columns [64 wg, 64 wg + 64) of the
+    // 128-wide block, so SwiGLU stays in the thread); L2: kL2Cols columns.
+    static constexpr int kL1Cols = kSplitN ? 64 : 128;
+    static constexpr int kL1Half = kL1Cols / 2;
+    static constexpr int kL1Acc = 2 * kL1Half;
     static constexpr int kL2Cols = kSplitN ? 64 : 128;
     static constexpr int kL2Acc = kL2Cols / 2;
     using FP8L2Mma = std::conditional_t<kSplitN, mma::FP8MmaN64, mma::FP8MmaN128>;
-    using BF16L1Mma = std::conditional_t<kSplitN, mma::BF16MmaN128, mma::BF16MmaN256>;
+    using BF16L1Mma = std::conditional_t<kSplitN, mma::BF16MmaN64, mma::BF16MmaN128>;
     using BF16L2Mma = std::conditional_t<kSplitN, mma::BF16MmaN64, mma::BF16MmaN128>;
 
     // L1 (column c of gate pairs with column c of up). Also returns the top-k weights of this
@@ -679,10 +681,11 @@ struct Kernel {
             row_w[0] = __ldcg(mine<float>(lay.row_weight) + g0);
             row_w[1] = __ldcg(mine<float>(lay.row_weight) + g0 + 8);
         };
-        const uint32_t a_offset = mt.row0() * 128, b_offset = kSplitN ? mt.wg * 128 * 128 : 0;
+        // B rows: gate [0, 128), up [128, 256); split: this warpgroup's 64 of each
+        const uint32_t a_offset = mt.row0() * 128, gate_offset = (kSplitN ? mt.wg * 64 : 0) * 128, up_offset = gate_offset + 128 * 128;
+        float* gate = acc;
+        float* up = acc + kL1Half;
         if constexpr (kFP8) {
-            constexpr int kHalves = kSplitN ? 1 : 2;        // gate and up here, or this warpgroup's one
-            float part[64];
             #pragma unroll
             for (int i = 0; i < kL1Acc; ++i) acc[i] = 0.0f;
             // gate and up scale rows are adjacent: [gate K-blocks | up K-blocks]
@@ -695,40 +698,73 @@ struct Kernel {
                 const int s = stage_iter % kNumStages;
                 if constexpr (kFP4) expand_fp4_tile<kMegaMoEBlockNL1>(s);
                 const float sa0 = sm.stage_sf(s)[mt.row_in_tile(0)], sa1 = sm.stage_sf(s)[mt.row_in_tile(1)];
+                const float sg = b_sf[kb], su = b_sf[num_kb + kb];
                 const uint64_t da = mma::make_k_major_sw128_desc(sm.stage_a(s) + a_offset);
-                #pragma unroll
-                for (int half = 0; half < kHalves; ++half) {
-                    const int which = kSplitN ? mt.wg : half;     // 0 gate, 1 up
-                    const uint64_t db = mma::make_k_major_sw128_desc(sm.stage_b(s) + b_offset + half * 128 * 128);
-                    mma::fence_operands(part);
+                const uint64_t dg = mma::make_k_major_sw128_desc(sm.stage_b(s) + gate_offset);
+                const uint64_t du = mma::make_k_major_sw128_desc(sm.stage_b(s) + up_offset);
+                if constexpr (kSplitN) {
+                    // gate and up of 64 columns each: both issued, one wait
+                    float part_g[32], part_u[32];
+                    mma::fence_operands(part_g), mma::fence_operands(part_u);
                     mma::warpgroup_arrive();
                     #pragma unroll
                     for (int ks = 0; ks < kKStepsPerStage; ++ks)
-                        mma::FP8MmaN128::fma(mma::advance_desc(da, ks * mma::kWgmmaKBytes),
-                                             mma::advance_desc(db, ks * mma::kWgmmaKBytes), part, ks > 0);
-                    mma::warpgroup_commit();
-                    if (kb == 0 and half == 0) read_task_inputs();
-                    mma::warpgroup_wait<0>();
-                    mma::fence_operands(part);
-                    if (half == kHalves - 1) release_stage(stage_iter, mt);
-                    const float sb = b_sf[which * num_kb + kb];
-                    const float s0 = sa0 * sb, s1 = sa1 * sb;
+                        mma::FP8MmaN64::fma(mma::advance_desc(da, ks * mma::kWgmmaKBytes), mma::advance_desc(dg, ks * mma::kWgmmaKBytes), part_g, ks > 0);
                     #pragma unroll
-                    for (int i = 0; i < 64; ++i) acc[half * 64 + i] += part[i] * ((i & 2) ? s1 : s0);
+                    for (int ks = 0; ks < kKStepsPerStage; ++ks)
+                        mma::FP8MmaN64::fma(mma::advance_desc(da, ks * mma::kWgmmaKBytes), mma::advance_desc(du, ks * mma::kWgmmaKBytes), part_u, ks > 0);
+                    mma::warpgroup_commit();
+                    if (kb == 0) read_task_inputs();
+                    mma::warpgroup_wait<0>();
+                    mma::fence_operands(part_g), mma::fence_operands(part_u);
+                    release_stage(stage_iter, mt);
+                    #pragma unroll
+                    for (int i = 0; i < 32; ++i) {
+                        gate[i] += part_g[i] * ((i & 2) ? sa1 * sg : sa0 * sg);
+                        up[i] += part_u[i] * ((i & 2) ? sa1 * su : sa0 * su);
+                    }
+                } else {
+                    // 128 columns: gate, then up (two sets of 64 partial sums would not fit next to acc)
+                    float part[64];
+                    #pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                        mma::fence_operands(part);
+                        mma::warpgroup_arrive();
+                        #pragma unroll
+                        for (int ks = 0; ks < kKStepsPerStage; ++ks)
+                            mma::FP8MmaN128::fma(mma::advance_desc(da, ks * mma::kWgmmaKBytes),
+                                                 mma::advance_desc(half == 0 ? dg : du, ks * mma::kWgmmaKBytes), part, ks > 0);
+                        mma::warpgroup_commit();
+                        if (kb == 0 and half == 0) read_task_inputs();
+                        mma::warpgroup_wait<0>();
+                        mma::fence_operands(part);
+                        if (half == 1) release_stage(stage_iter, mt);
+                        const float sb = half == 0 ? sg : su;
+                        const float s0 = sa0 * sb, s1 = sa1 * sb;
+                        #pragma unroll
+                        for (int i = 0; i < 64; ++i) acc[half * 64 + i] += part[i] * ((i & 2) ? s1 : s0);
+                    }
                 }
             }
         } else {
+            float (&acc_g)[kL1Half] = *reinterpret_cast<float (*)[kL1Half]>(gate);
+            float (&acc_u)[kL1Half] = *reinterpret_cast<float (*)[kL1Half]>(up);
             for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
                 if (not wait_full(stage_iter)) return false;
                 const int s = stage_iter % kNumStages;
                 const uint64_t da = mma::make_k_major_sw128_desc(sm.stage_a(s) + a_offset);
-                const uint64_t db = mma::make_k_major_sw128_desc(sm.stage_b(s) + b_offset);
+                const uint64_t dg = mma::make_k_major_sw128_desc(sm.stage_b(s) + gate_offset);
+                const uint64_t du = mma::make_k_major_sw128_desc(sm.stage_b(s) + up_offset);
                 mma::fence_operands(acc);
                 mma::warpgroup_arrive();
                 #pragma unroll
                 for (int ks = 0; ks < kKStepsPerStage; ++ks)
-                    BF16L1Mma::fma(mma::advance_desc(da, ks * mma::kWgmmaKBytes), mma::advance_desc(db, ks * mma::kWgmmaKBytes),
-                                   acc, kb > 0 or ks > 0);
+                    BF16L1Mma::fma(mma::advance_desc(da, ks * mma::kWgmmaKBytes), mma::advance_desc(dg, ks * mma::kWgmmaKBytes),
+                                   acc_g, kb > 0 or ks > 0);
+                #pragma unroll
+                for (int ks = 0; ks < kKStepsPerStage; ++ks)
+                    BF16L1Mma::fma(mma::advance_desc(da, ks * mma::kWgmmaKBytes), mma::advance_desc(du, ks * mma::kWgmmaKBytes),
+                                   acc_u, kb > 0 or ks > 0);
                 mma::warpgroup_commit();
                 if (kb == 0) read_task_inputs();
                 mma::warpgroup_wait<0>();
@@ -791,84 +827,82 @@ struct Kernel {
         return true;
     }
 
-    // Split L1: warpgroup 1 hands its up accumulators to warpgroup 0 through the epilogue tile, in
-    // two passes of 32 per thread (16 KB each), i-major so consecutive threads hit consecutive banks.
-    // Returns whether this thread continues with the epilogue (warpgroup 0).
-    __device__ bool l1_gather_up(const MathThread& mt, const float (&acc)[kL1Acc], float (&up)[64]) {
-        auto* xchg = reinterpret_cast<float*>(sm.epilogue);
-        static_assert(32 * 128 * 4 <= mega_moe_epilogue_bytes(64), "exchange fits the epilogue tile");
-        #pragma unroll
-        for (int pass = 0; pass < 2; ++pass) {
-            if (mt.wg == 1) {
-                #pragma unroll
-                for (int i = 0; i < 32; ++i) xchg[i * 128 + mt.tid] = acc[pass * 32 + i];
-            }
-            named_barrier(kBarrierMathAll, kNumMathThreads);
-            if (mt.wg == 0) {
-                #pragma unroll
-                for (int i = 0; i < 32; ++i) up[pass * 32 + i] = xchg[i * 128 + mt.tid];
-            }
-            named_barrier(kBarrierMathAll, kNumMathThreads);
-        }
-        return mt.wg == 0;
-    }
-
     // L1 epilogue: SwiGLU (+clamp) x top-k weight, FP8 per-128 quantization (or BF16), into the L2 pool.
-    // gate[i] and up[i] are the same (row, column) of the two halves.
-    __device__ void l1_epilogue(int m, int j, const MathThread& mt, float* gate, const float* up, const float (&row_w)[2]) {
+    // Each warpgroup writes and copies out its own part of the tile (rows or, split, columns); split,
+    // a row's 128 columns span both warpgroups, so the FP8 amax is exchanged (in the tile's row pad).
+    __device__ void l1_epilogue(int m, int j, const MathThread& mt, float (&acc)[kL1Acc], const float (&row_w)[2]) {
         uint8_t* tile = sm.epilogue + mt.row0() * kMegaMoEEpilogueRowBytes;
+        const int col_base = kSplitN ? mt.wg * 64 : 0;      // first column of this warpgroup in the 128-wide block
         const float clamp = p.activation_clamp;
+        float* gate = acc;
+        const float* up = acc + kL1Half;
+        float amax[2];
         #pragma unroll
         for (int half = 0; half < 2; ++half) {
-            const int r = mt.row_in_tile(half);
-            const int64_t g = static_cast<int64_t>(m) * BLOCK_M + r;
-            const float w = row_w[half];
             // The activation overwrites the gate accumulator in place
-            float amax = 0.0f;
+            amax[half] = 0.0f;
             #pragma unroll
-            for (int q = 0; q < 16; ++q) {
+            for (int q = 0; q < kL1Cols / 8; ++q) {
                 #pragma unroll
                 for (int b = 0; b < 2; ++b) {
                     const int i = q * 4 + half * 2 + b;
                     const float gt = fminf(gate[i], clamp);
                     const float u = fminf(fmaxf(up[i], -clamp), clamp);
-                    gate[i] = silu<kFastMath>(gt) * u * w;
-                    amax = fmaxf(amax, fabsf(gate[i]));
+                    gate[i] = silu<kFastMath>(gt) * u * row_w[half];
+                    amax[half] = fmaxf(amax[half], fabsf(gate[i]));
                 }
             }
+            // the 4 lanes of a quad hold this warpgroup's columns of the row
+            amax[half] = fmaxf(amax[half], __shfl_xor_sync(0xffffffff, amax[half], 1));
+            amax[half] = fmaxf(amax[half], __shfl_xor_sync(0xffffffff, amax[half], 2));
+        }
+        if constexpr (kFP8 and kSplitN) {
+            // [row][warpgroup] floats in the 16-byte pad after each 256-byte tile row
+            auto slot = [&](int half, int wg) {
+                return reinterpret_cast<float*>(tile + (mt.row_in_tile(half) - mt.row0()) * kMegaMoEEpilogueRowBytes + 256) + wg;
+            };
+            if (mt.lane % 4 == 0) *slot(0, mt.wg) = amax[0], *slot(1, mt.wg) = amax[1];
+            named_barrier(kBarrierMathAll, kNumMathThreads);
+            amax[0] = fmaxf(amax[0], *slot(0, mt.wg ^ 1));
+            amax[1] = fmaxf(amax[1], *slot(1, mt.wg ^ 1));
+            // the slots are rewritten by the next task only after this barrier
+            named_barrier(kBarrierMathAll, kNumMathThreads);
+        }
+        #pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int r = mt.row_in_tile(half);
             uint8_t* row = tile + (r - mt.row0()) * kMegaMoEEpilogueRowBytes;
-            const int col0 = (mt.lane % 4) * 2;
+            const int col0 = col_base + (mt.lane % 4) * 2;
             if constexpr (kFP8) {
-                // the 4 lanes of a quad hold the 128 columns of this row
-                amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, 1));
-                amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, 2));
                 // Correctly rounded divisions: the scale and the quantized bytes then match
                 // deep_gemm.utils.per_token_cast_to_fp8 bit for bit on the same float inputs
-                amax = fmaxf(amax, 1e-10f);
-                const float inv = __fdiv_rn(448.0f, amax);
+                const float a = fmaxf(amax[half], 1e-10f);
+                const float inv = __fdiv_rn(448.0f, a);
                 #pragma unroll
-                for (int q = 0; q < 16; ++q) {
+                for (int q = 0; q < kL1Cols / 8; ++q) {
                     const int i = q * 4 + half * 2;
                     const __nv_fp8x2_storage_t pair = __nv_cvt_float2_to_fp8x2(make_float2(gate[i] * inv, gate[i + 1] * inv), __NV_SATFINITE, __NV_E4M3);
                     *reinterpret_cast<__nv_fp8x2_storage_t*>(row + q * 8 + col0) = pair;
                 }
-                if (mt.lane % 4 == 0) mine<float>(lay.l2_sf)[static_cast<int64_t>(j) * lay.num_pool_rows + g] = __fdiv_rn(amax, 448.0f);
+                if (mt.lane % 4 == 0 and (not kSplitN or mt.wg == 0))   // split: both hold the same scale
+                    mine<float>(lay.l2_sf)[static_cast<int64_t>(j) * lay.num_pool_rows + static_cast<int64_t>(m) * BLOCK_M + r] = __fdiv_rn(a, 448.0f);
             } else {
                 #pragma unroll
-                for (int q = 0; q < 16; ++q) {
+                for (int q = 0; q < kL1Cols / 8; ++q) {
                     const int i = q * 4 + half * 2;
                     *reinterpret_cast<__nv_bfloat162*>(row + (q * 8 + col0) * 2) = __floats2bfloat162_rn(gate[i], gate[i + 1]);
                 }
             }
         }
         named_barrier(kBarrierMathBase + mt.wg, 128);
-        // 16-byte row copies into the L2 pool: columns [j*128, j*128+128) of I
-        constexpr int kRowBytes = 128 * kActBytes, kChunks = kRowBytes / 16;
+        // 16-byte row copies into the L2 pool: this warpgroup's columns of [j*128, j*128+128) of I
+        constexpr int kRowBytes = kL1Cols * kActBytes, kChunks = kRowBytes / 16;
+        const int byte0 = col_base * kActBytes;
         auto* l2_act = mine<uint8_t>(lay.l2_act);
         for (int c = mt.tid; c < 64 * kChunks; c += 128) {
-            const int r = c / kChunks, col = (c % kChunks) * 16;
+            const int r = c / kChunks, col = byte0 + (c % kChunks) * 16;
             const int64_t g = static_cast<int64_t>(m) * BLOCK_M + mt.row0() + r;
-            *reinterpret_cast<int4*>(l2_act + g * lay.intermediate_hidden * kActBytes + j * kRowBytes + col) =
+            *reinterpret_cast<int4*>(l2_act + g * lay.intermediate_hidden * kActBytes + j * 128 * kActBytes + col) =
                 *reinterpret_cast<const int4*>(tile + r * kMegaMoEEpilogueRowBytes + col);
         }
         // release: L2 TMA loads (async proxy, other CTAs) must see these rows and scales
@@ -939,12 +973,7 @@ struct Kernel {
                 float acc[kL1Acc], row_w[2];
                 if (mt.tid == 0) trace(kTraceL1Begin, true);
                 if (not l1_mainloop(m, expert_of_mblock(m), j, stage_iter, mt, acc, row_w)) break;
-                if constexpr (kSplitN) {
-                    float up[64];
-                    if (l1_gather_up(mt, acc, up)) l1_epilogue(m, j, mt, acc, up, row_w);
-                } else {
-                    l1_epilogue(m, j, mt, acc, acc + 64, row_w);
-                }
+                l1_epilogue(m, j, mt, acc, row_w);
                 if (mt.tid == 0 and mt.wg == 0) trace(kTraceL1End);
             } else if (t >= tasks.l1_end() and t < tasks.l2_end()) {
                 const int idx = t - tasks.l1_end(), m = idx / tasks.num_l2_nblocks, j = idx % tasks.num_l2_nblocks;
