@@ -43,9 +43,12 @@ if [ "${DG_RUN_SANITIZER:-0}" = "1" ]; then
     { echo "=== racecheck: exit $rc"; cat /tmp/san.log; } >> "$OUT/sanitizer.log"
     echo "racecheck: exit $rc $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY|calc_diff' /tmp/san.log | tr '\n' ' ')"
     [ $rc = 0 ] || grep -m 40 -E '=========' /tmp/san.log
-    # The tool's own model: the same two-warpgroup exchange through bar.sync 4, 256 in a tiny kernel
-    nvcc -arch=sm_90a -o /tmp/racecheck_probe scripts/racecheck_probe.cu > /dev/null 2>&1 &&
-        echo "racecheck probe (correct cross-warpgroup exchange): $(compute-sanitizer --tool racecheck /tmp/racecheck_probe 2>&1 | grep -E 'RACECHECK SUMMARY|probe:' | tr '\n' ' ')"
+    # The tool's own model of two correct patterns the kernel uses (scripts/racecheck_probe.cu)
+    if nvcc -arch=sm_90a -o /tmp/racecheck_probe scripts/racecheck_probe.cu > /dev/null 2>&1; then
+        for probe in exchange bulk; do
+            echo "racecheck probe $probe: $(compute-sanitizer --tool racecheck /tmp/racecheck_probe $probe 2>&1 | grep -E 'RACECHECK SUMMARY|probe' | tr '\n' ' ')"
+        done
+    fi
 fi
 if [ "${DG_RUN_BENCH:-0}" = "1" ]; then
     python3 -m deep_gemm.bench --quick --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench.log" | tail -40

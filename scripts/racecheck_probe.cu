@@ -1,13 +1,27 @@
-// Does compute-sanitizer racecheck order shared-memory accesses across two warpgroups through a
-// named barrier with a thread count (bar.sync id, 256)? Warpgroup 1 writes, both meet at barrier 4,
-// warpgroup 0 reads, both meet again, repeated: correct code, so any hazard it reports is about the
-// tool's model of such barriers, not about the kernel (see scripts/device_run.sh).
-//   nvcc -arch=sm_90a -o /tmp/probe scripts/racecheck_probe.cu && compute-sanitizer --tool racecheck /tmp/probe
+// What does compute-sanitizer racecheck report for two correct synchronization patterns the Mega
+// MoE kernel uses? Both kernels below are race-free by construction, so a hazard they report is
+// about the tool's model, not about the kernel (scripts/device_run.sh runs this after the kernel's
+// own racecheck).
+//   exchange: warpgroup 1 writes shared memory, both meet at bar.sync 4, 256, warpgroup 0 reads
+//   bulk:     one producer thread fills a 2-stage ring with cp.async.bulk (complete_tx on a full
+//             mbarrier); 128 consumer threads wait, read with ld.shared, release through an empty
+//             mbarrier (one arrival per warp after __syncwarp)
+//   nvcc -arch=sm_90a -o /tmp/probe scripts/racecheck_probe.cu
+//   compute-sanitizer --tool racecheck /tmp/probe exchange | bulk
+#include <cstdint>
 #include <cstdio>
+#include <cstring>
 
 __device__ __forceinline__ void bar(int id, int n) { asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(n) : "memory"); }
+__device__ __forceinline__ uint32_t sa(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ void wait_parity(uint64_t* b, uint32_t parity) {
+    uint32_t done = 0;
+    while (!done)
+        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done) : "r"(sa(b)), "r"(parity) : "memory");
+}
 
-__global__ void probe(float* out) {
+__global__ void exchange(float* out) {
     __shared__ float xchg[32 * 128];
     const int wg = threadIdx.x / 128 - 1, tid = threadIdx.x % 128;   // warpgroup 0 of 3 does not take part
     if (wg < 0) return;
@@ -25,11 +39,49 @@ __global__ void probe(float* out) {
     if (wg == 0) out[tid] = sum;
 }
 
-int main() {
-    float* out;
+__global__ void bulk(const float* src, float* out) {
+    __shared__ alignas(128) float stage[2][64];
+    __shared__ alignas(8) uint64_t full[2], empty[2];
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < 2; ++s) {
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" :: "r"(sa(&full[s])) : "memory");
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 4;\n" :: "r"(sa(&empty[s])) : "memory");
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    constexpr int kIters = 8;
+    if (threadIdx.x == 0) {                       // producer
+        for (int it = 0; it < kIters; ++it) {
+            const int s = it % 2;
+            wait_parity(&empty[s], ((it / 2) & 1) ^ 1);
+            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(sa(&full[s])), "r"(256) : "memory");
+            asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], 256, [%2];\n"
+                         :: "r"(sa(stage[s])), "l"(src + it * 64), "r"(sa(&full[s])) : "memory");
+        }
+    } else if (threadIdx.x >= 128) {              // consumers
+        const int tid = threadIdx.x - 128;
+        float sum = 0.0f;
+        for (int it = 0; it < kIters; ++it) {
+            const int s = it % 2;
+            wait_parity(&full[s], (it / 2) & 1);
+            sum += stage[s][tid % 64];
+            __syncwarp();
+            if (tid % 32 == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(sa(&empty[s])) : "memory");
+        }
+        out[tid] = sum;
+    }
+}
+
+int main(int argc, char** argv) {
+    const bool run_bulk = argc > 1 and std::strcmp(argv[1], "bulk") == 0;
+    float *src, *out;
+    cudaMalloc(&src, 8 * 64 * sizeof(float));
     cudaMalloc(&out, 128 * sizeof(float));
-    probe<<<1, 384>>>(out);
+    cudaMemset(src, 0, 8 * 64 * sizeof(float));
+    if (run_bulk) bulk<<<1, 256>>>(src, out);
+    else exchange<<<1, 384>>>(out);
     const cudaError_t e = cudaDeviceSynchronize();
-    std::printf("probe: %s\n", cudaGetErrorString(e));
+    std::printf("probe %s: %s\n", run_bulk ? "bulk" : "exchange", cudaGetErrorString(e));
     return e == cudaSuccess ? 0 : 1;
 }

@@ -45,7 +45,7 @@ constexpr int kBarrierMathBase = 2;  // + math warpgroup index (2, 3)
 constexpr int kBarrierMathAll = 4;   // every math warpgroup (FP4 tile expansion, split-column exchange)
 // bar.red decisions (leave on abort) get barriers of their own, apart from those that order data
 constexpr int kBarrierDispatchDecide = 5;
-constexpr int kBarrierMathDecide = 6;
+constexpr int kBarrierMathDecide = 6;   // + math warpgroup (6, 7) when each decides alone
 // Register quotas after `setmaxnreg` (384 threads): 128 x 40 + 256 x 232 <= 64K
 constexpr int kProducerRegisters = 40;
 constexpr int kMathRegisters = 232;
@@ -598,13 +598,22 @@ struct Kernel {
         return dst;
     }
 
-    // Wait for a stage's bytes; false when the call was aborted. Decided once for all math
-    // warpgroups, so none of them is left alone at a barrier or a wgmma.
-    __device__ bool wait_full(uint32_t stage_iter) {
+    // Leave-now decisions of the math side, taken by every thread of the group that meets at
+    // barriers: both warpgroups when they share a tile (split columns) or a barrier (FP4
+    // expansion), else each warpgroup alone, so that 64-row tiles of a 128-row block never wait
+    // for each other
+    static constexpr bool kMathWideDecisions = kSplitN or kFP4;
+    __device__ bool math_any(bool pred, const MathThread& mt) const {
+        return kMathWideDecisions ? named_barrier_or(kBarrierMathDecide, kNumMathThreads, pred)
+                                  : named_barrier_or(kBarrierMathDecide + mt.wg, 128, pred);
+    }
+
+    // Wait for a stage's bytes; false when the call was aborted (decided by the whole group)
+    __device__ bool wait_full(uint32_t stage_iter, const MathThread& mt) {
         const int s = stage_iter % kNumStages;
         const bool ok = bounded_wait(p, sm.ctrl, Phase::kPipeline, p.rank,
                                      [&] { return mbarrier_try_wait(sm.full + s, (stage_iter / kNumStages) & 1); });
-        return not named_barrier_or(kBarrierMathDecide, kNumMathThreads, not ok or *reinterpret_cast<volatile int*>(&sm.ctrl->abort));
+        return not math_any(not ok or *reinterpret_cast<volatile int*>(&sm.ctrl->abort), mt);
     }
     // Every lane's reads of the stage (wgmma and the scales in it) happen before its warp's arrival
     __device__ void release_stage(uint32_t stage_iter, const MathThread& mt) {
@@ -668,7 +677,6 @@ struct Kernel {
     static constexpr int kL2Cols = kSplitN ? 64 : 128;
     static constexpr int kL2Acc = kL2Cols / 2;
     using FP8L2Mma = std::conditional_t<kSplitN, mma::FP8MmaN64, mma::FP8MmaN128>;
-    using BF16L1Mma = std::conditional_t<kSplitN, mma::BF16MmaN64, mma::BF16MmaN128>;
     using BF16L2Mma = std::conditional_t<kSplitN, mma::BF16MmaN64, mma::BF16MmaN128>;
 
     // L1 (column c of gate pairs with column c of up). Also returns the top-k weights of this
@@ -692,7 +700,7 @@ struct Kernel {
             const float* b_sf = load_weight_scales(
                 p.l1_weight_scales + (static_cast<int64_t>(le) * (2 * lay.intermediate_hidden / 128) + 2 * j) * num_kb, 2 * num_kb, mt);
             for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
-                if (not wait_full(stage_iter)) return false;
+                if (not wait_full(stage_iter, mt)) return false;
                 if (kb == 0 and mt.tid == 0) trace(kTraceL1FirstStage, true);
                 if (kb < kTraceKbSlots and mt.tid == 0 and mt.wg == 0) trace(kTraceKbReady + kb, true);
                 const int s = stage_iter % kNumStages;
@@ -747,24 +755,33 @@ struct Kernel {
                 }
             }
         } else {
+            // BF16: split, gate and up of 64 columns each; else one N = 256 wgmma over [gate | up]
+            // (its accumulators 0..63 are columns 0..127 = gate), which reads A once
             float (&acc_g)[kL1Half] = *reinterpret_cast<float (*)[kL1Half]>(gate);
             float (&acc_u)[kL1Half] = *reinterpret_cast<float (*)[kL1Half]>(up);
             for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
-                if (not wait_full(stage_iter)) return false;
+                if (not wait_full(stage_iter, mt)) return false;
                 const int s = stage_iter % kNumStages;
                 const uint64_t da = mma::make_k_major_sw128_desc(sm.stage_a(s) + a_offset);
                 const uint64_t dg = mma::make_k_major_sw128_desc(sm.stage_b(s) + gate_offset);
                 const uint64_t du = mma::make_k_major_sw128_desc(sm.stage_b(s) + up_offset);
                 mma::fence_operands(acc);
                 mma::warpgroup_arrive();
-                #pragma unroll
-                for (int ks = 0; ks < kKStepsPerStage; ++ks)
-                    BF16L1Mma::fma(mma::advance_desc(da, ks * mma::kWgmmaKBytes), mma::advance_desc(dg, ks * mma::kWgmmaKBytes),
-                                   acc_g, kb > 0 or ks > 0);
-                #pragma unroll
-                for (int ks = 0; ks < kKStepsPerStage; ++ks)
-                    BF16L1Mma::fma(mma::advance_desc(da, ks * mma::kWgmmaKBytes), mma::advance_desc(du, ks * mma::kWgmmaKBytes),
-                                   acc_u, kb > 0 or ks > 0);
+                if constexpr (kSplitN) {
+                    #pragma unroll
+                    for (int ks = 0; ks < kKStepsPerStage; ++ks)
+                        mma::BF16MmaN64::fma(mma::advance_desc(da, ks * mma::kWgmmaKBytes), mma::advance_desc(dg, ks * mma::kWgmmaKBytes),
+                                             acc_g, kb > 0 or ks > 0);
+                    #pragma unroll
+                    for (int ks = 0; ks < kKStepsPerStage; ++ks)
+                        mma::BF16MmaN64::fma(mma::advance_desc(da, ks * mma::kWgmmaKBytes), mma::advance_desc(du, ks * mma::kWgmmaKBytes),
+                                             acc_u, kb > 0 or ks > 0);
+                } else {
+                    #pragma unroll
+                    for (int ks = 0; ks < kKStepsPerStage; ++ks)
+                        mma::BF16MmaN256::fma(mma::advance_desc(da, ks * mma::kWgmmaKBytes), mma::advance_desc(dg, ks * mma::kWgmmaKBytes),
+                                              acc, kb > 0 or ks > 0);
+                }
                 mma::warpgroup_commit();
                 if (kb == 0) read_task_inputs();
                 mma::warpgroup_wait<0>();
@@ -785,7 +802,7 @@ struct Kernel {
             const float* b_sf = load_weight_scales(
                 p.l2_weight_scales + (static_cast<int64_t>(le) * (lay.hidden / 128) + j) * num_kb, num_kb, mt);
             for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
-                if (not wait_full(stage_iter)) return false;
+                if (not wait_full(stage_iter, mt)) return false;
                 const int s = stage_iter % kNumStages;
                 if constexpr (kFP4) expand_fp4_tile<kMegaMoEBlockNL2>(s);
                 const float sb = b_sf[kb];
@@ -807,7 +824,7 @@ struct Kernel {
             }
         } else {
             for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
-                if (not wait_full(stage_iter)) return false;
+                if (not wait_full(stage_iter, mt)) return false;
                 const int s = stage_iter % kNumStages;
                 const uint64_t da = mma::make_k_major_sw128_desc(sm.stage_a(s) + a_offset);
                 const uint64_t db = mma::make_k_major_sw128_desc(sm.stage_b(s) + b_offset);
@@ -967,7 +984,7 @@ struct Kernel {
         for (int i = 0;; ++i) {
             const int t = next_task(i, total);
             // Leave together: the math warpgroups meet at barriers and wgmma until the task ends
-            if (named_barrier_or(kBarrierMathDecide, kNumMathThreads, t >= total or sm.ctrl->abort)) break;
+            if (math_any(t >= total or sm.ctrl->abort, mt)) break;
             if (t >= tasks.pull_end() and t < tasks.l1_end()) {
                 const int idx = t - tasks.pull_end(), m = idx / tasks.num_l1_nblocks, j = idx % tasks.num_l1_nblocks;
                 float acc[kL1Acc], row_w[2];
