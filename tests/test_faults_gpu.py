@@ -17,7 +17,7 @@ from conftest import record_diff
 sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 pytestmark = pytest.mark.skipif(not sm90, reason='needs an SM90 (Hopper) GPU')
 
-TOL = {'fp8xfp8': 3e-4, 'bf16xbf16': 2e-6}
+TOL = {'fp8xfp8': 3e-4, 'fp8xfp4': 3e-4, 'bf16xbf16': 2e-6}
 SMALL = (512, 256, 16, 4)
 
 
@@ -117,6 +117,73 @@ def test_completes_while_another_stream_holds_half_the_sms():
     torch.cuda.synchronize()
     assert_correct(w, [inp], [y], mma_type)
     buf.check()
+
+
+# Raises the abort of a buffer from outside, `delay_ns` after it starts: the fault lands wherever
+# the call is (waiting on a stage, in a wgmma, in an epilogue), unlike a stalled peer, which stops
+# a call before its pipeline starts. The word is a timeout with a CTA index no grid has.
+INJECT_SOURCE = r'''
+extern "C" __global__ void inject(unsigned long long* status, unsigned long long word, unsigned long long delay_ns) {
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now)); } while (now - start < delay_ns);
+    if (threadIdx.x == 0) {
+        atomicCAS(status, 0ull, word);
+        atomicExch(status + 1, 1ull);
+        __threadfence_system();
+    }
+}
+'''
+INJECTED_WORD = 1 | (6 << 8) | (0xFFFF << 24) | (0x5AB << 40)    # timeout, pipeline phase, CTA 0xFFFF
+
+
+@pytest.mark.parametrize('n', [128, 4096])       # decode tiles (split columns) and prefill tiles
+@pytest.mark.parametrize('mma_type', ['fp8xfp8', 'fp8xfp4', 'bf16xbf16'])
+def test_abort_in_the_middle_of_a_call_leaves_cleanly(mma_type, n):
+    """Every group leaves together (no thread waits alone at a barrier or wgmma), the producer
+    drains the stages it armed, the process and the buffer stay usable after reset()."""
+    hidden, inter, experts, topk = 2048, 768, 128, 8
+    w = mc.make_weights(mma_type, hidden, inter, experts, 1, seed=0)
+    (buf,) = mc.make_buffers(mma_type, 1, experts, n, topk, hidden, inter)
+    inp = mc.make_inputs(mma_type, [n], hidden, experts, topk, seed=6)[0]
+    fn = {'fp8xfp8': deep_gemm.fp8_mega_moe, 'bf16xbf16': deep_gemm.bf16_mega_moe,
+          'fp8xfp4': deep_gemm.fp8_fp4_mega_moe}[mma_type]
+    cubin = _C.compile('test_inject', INJECT_SOURCE)
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    status_ptr = buf.workspace.data_ptr() + buf.layout['status'][0]
+    other = torch.cuda.Stream()
+    old_sms = deep_gemm.get_num_sms()
+    deep_gemm.set_num_sms(num_sms - 1)      # the injector keeps one SM
+    try:
+        (y,) = mc.run_ranks(w, [inp], [buf])                 # warm (JIT), and how long a call takes
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        mc.stage_inputs(buf, inp)
+        start.record()
+        fn(y, *w.per_rank[0], buf)
+        end.record()
+        torch.cuda.synchronize()
+        call_ns = int(start.elapsed_time(end) * 1e6)
+        y.fill_(float('nan'))
+        torch.cuda.synchronize()
+        t0 = time.time()
+        _C.launch_kernel(cubin, 'inject', [1, 1, 1], [32, 1, 1], 0, other.cuda_stream,
+                         [status_ptr, INJECTED_WORD, call_ns // 2], False)
+        fn(y, *w.per_rank[0], buf)
+        torch.cuda.synchronize()
+        elapsed = time.time() - t0
+        assert elapsed < deep_gemm.get_timeout() + 1.0, f'took {elapsed:.2f} s'
+        with pytest.raises(deep_gemm.MegaMoEError) as info:
+            buf.check()
+        assert info.value.word == INJECTED_WORD and info.value.fatal
+        unfinished = int(torch.isnan(y).any(dim=1).sum())
+        print(f'{mma_type} n={n}: call {call_ns / 1e3:.0f} us, abort after {call_ns / 2e3:.0f} us, '
+              f'{unfinished} of {n} rows left unwritten')
+        buf.reset()
+        inputs = mc.make_inputs(mma_type, [n], hidden, experts, topk, seed=7)
+        assert_correct(w, inputs, mc.run_ranks(w, inputs, [buf]), mma_type)
+        buf.check()
+    finally:
+        deep_gemm.set_num_sms(0 if old_sms == num_sms else old_sms)
 
 
 @pytest.mark.parametrize('mma_type', ['fp8xfp8', 'bf16xbf16'])
