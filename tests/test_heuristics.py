@@ -171,3 +171,13 @@ def test_print_configs_off_by_default(value):
     out = _run_print_script(value)
     assert 'MegaMoEConfig' not in out
     assert 'first False' in out
+
+
+@pytest.mark.parametrize('mma_type', list(MMA_TYPES))
+@pytest.mark.parametrize('num_tokens', [1, 4096])
+def test_smem_breakdown_adds_up(mma_type, num_tokens):
+    # The printed breakdown (DG_PRINT_CONFIGS) accounts for every byte of smem_bytes
+    c = config(mma_type, num_tokens=num_tokens)
+    per_stage = c['smem_a_per_stage'] + c['smem_b_per_stage']
+    assert c['num_stages'] * per_stage + c['smem_epilogue'] + c['smem_barriers'] == c['smem_bytes']
+    assert c['smem_a_per_stage'] >= c['block_m'] * 128 and c['smem_barriers'] > 0

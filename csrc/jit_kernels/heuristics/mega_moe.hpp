@@ -49,11 +49,11 @@ struct MegaMoEConfig {
     int smem_bytes;            // dynamic shared memory of one CTA
     int num_threads;           // 128 * (1 + num_math_warpgroups)
 
-    // Shared-memory breakdown (smem_bytes = stages * per_stage + epilogue + barriers)
+    // Shared-memory breakdown (smem_bytes = stages * (A + B per stage) + epilogue + other)
     int smem_a_per_stage;
     int smem_b_per_stage;
     int smem_epilogue;
-    int smem_barriers;
+    int smem_barriers;         // every fixed byte but the epilogue (weight scales, barriers, tables, alignment)
 
     bool operator==(const MegaMoEConfig&) const = default;
 
@@ -66,7 +66,7 @@ struct MegaMoEConfig {
            << ", num_threads=" << num_threads << ", num_sms=" << num_sms
            << ", num_experts_per_wave=" << num_experts_per_wave << ", smem_bytes=" << smem_bytes
            << " (stage A " << smem_a_per_stage << " + B " << smem_b_per_stage << ", epilogue " << smem_epilogue
-           << ", barriers " << smem_barriers << "))";
+           << ", other " << smem_barriers << "))";
         return os.str();
     }
 };
@@ -123,12 +123,14 @@ inline MegaMoEConfig get_mega_moe_config(MmaType mma_type, int num_ranks, int nu
     c.block_k = mega_moe_block_k(mma_type);
 
     // Shared memory, from the kernel's own budget (deep_gemm/impls/mega_moe_params.cuh). Per stage:
-    // the A tile (block_m rows x one 128-byte swizzle row of K) and the largest B tile (L1: 256 rows
-    // x 128 bytes; L2's 128-row tile fits in it, and so does BF16's 256 x 64 x 2 B). Fixed: the
-    // epilogue staging tile (L2's padded BF16 block_m x 128), the barriers / scheduler tables, and
-    // 1024 bytes to re-align the dynamic shared-memory base for the 128B-swizzled tiles.
-    c.smem_a_per_stage = c.block_m * 128;    // one 128-byte swizzle row of K per row
-    c.smem_b_per_stage = mega_moe_stage_bytes(mma_type, c.block_m) - c.smem_a_per_stage;
+    // the A tile (block_m rows x one 128-byte swizzle row of K) with its token scales (FP8
+    // activations), and the largest B tile (L1: 256 rows x 128 bytes; L2's 128-row tile fits in it,
+    // and so does BF16's 256 x 64 x 2 B; FP4 adds the packed tile and its exponent deltas). Fixed: the
+    // epilogue staging tile (L2's padded BF16 block_m x 128), the task weight scales of each math
+    // warpgroup, the barriers / scheduler tables, and 1024 bytes to re-align the dynamic shared-memory
+    // base for the 128B-swizzled tiles ("other" below: all fixed bytes but the epilogue).
+    c.smem_a_per_stage = c.block_m * 128 + mega_moe_stage_sf_bytes(mma_type, c.block_m);
+    c.smem_b_per_stage = mega_moe_stage_bytes(mma_type, c.block_m) + mega_moe_stage_extra_bytes(mma_type, c.block_m) - c.smem_a_per_stage;
     c.smem_epilogue = mega_moe_epilogue_bytes(c.block_m);
     const int per_stage = c.smem_a_per_stage + c.smem_b_per_stage;
     int num_stages = kMaxStages;
