@@ -15,8 +15,8 @@
 //
 // Roles (warpgroup 0 is the producer side, warpgroups 1.. are math):
 //   warp 0, one lane   scheduler (claims tasks, feeds the task ring) + TMA producer
-//   warps 1..3         dispatch: pull tasks (copy routed tokens into the L1 pool) and combine
-//   math warpgroups    wgmma, promotion, epilogues; each owns 64 rows of a BLOCK_M tile
+//   warps 1..3         dispatch: pull tasks (copy routed tokens into the L1 pool), combine (prefill tiles)
+//   math warpgroups    wgmma, promotion, epilogues (64 rows each, or split columns of 64 rows), combine
 //
 // Every spin-wait is bounded (params.timeout_ns); on timeout or a fatal error the kernel records a
 // status word, every CTA leaves, and the host raises (DESIGN.md §6).
@@ -355,6 +355,17 @@ struct Kernel {
             const auto* from = reinterpret_cast<const int4*>(peer<uint8_t>(src, lay.x) + static_cast<int64_t>(token) * row_bytes);
             auto* to = reinterpret_cast<int4*>(l1_act + g * row_bytes);
             const int num_chunks = row_bytes / 16;
+            // The row's scales are loaded before its bytes, so both round trips overlap (<= 4 per
+            // lane: hidden <= kMegaMoEMaxKBlocks * 128)
+            constexpr int kMaxSfPerLane = kMegaMoEMaxKBlocks / 32;
+            const int num_sf = hidden / kScaleGranularity;
+            float sf_v[kMaxSfPerLane];
+            if constexpr (kFP8) {
+                const float* sf = peer<float>(src, lay.x_sf) + static_cast<int64_t>(token) * num_sf;
+                #pragma unroll
+                for (int u = 0; u < kMaxSfPerLane; ++u)
+                    if (lane + 32 * u < num_sf) sf_v[u] = __ldcg(sf + lane + 32 * u);
+            }
             // kInFlight 16-byte loads per lane before their stores (NVLink / HBM latency); as many
             // as the dispatch warps' register quota allows
             constexpr int kInFlight = 4;
@@ -368,9 +379,9 @@ struct Kernel {
             }
             for (; c < num_chunks; c += 32) to[c] = ld_global_nc(from + c);
             if constexpr (kFP8) {
-                const float* sf = peer<float>(src, lay.x_sf) + static_cast<int64_t>(token) * (hidden / kScaleGranularity);
-                for (int kb = lane; kb < hidden / kScaleGranularity; kb += 32)
-                    l1_sf[static_cast<int64_t>(kb) * lay.num_pool_rows + g] = sf[kb];
+                #pragma unroll
+                for (int u = 0; u < kMaxSfPerLane; ++u)
+                    if (lane + 32 * u < num_sf) l1_sf[static_cast<int64_t>(lane + 32 * u) * lay.num_pool_rows + g] = sf_v[u];
             }
         }
         // release: L1 TMA loads (async proxy) of this M-block must see the rows written above
@@ -380,10 +391,15 @@ struct Kernel {
         if (dispatch_thread == 0) red_release_gpu_add(mine<uint32_t>(lay.mblock_arrival) + m, 1), trace(kTracePullEnd);
     }
 
-    // Combine: y[t] = sum over valid slots k (in order) of the BF16 rows. Every role takes part
-    // (the GEMMs are over by then): a group is the dispatch warps or one math warpgroup, `thread`
-    // its index in a pool of kNumCombineThreads, kSlotsInFlight what its registers allow.
-    static constexpr int kNumCombineThreads = kNumDispatchThreads + 128 * kNumMathWGs;
+    // Combine: y[t] = sum over valid slots k (in order) of the BF16 rows (the GEMMs are over by
+    // then): a group is one math warpgroup or the dispatch warps, `thread` its index in the pool of
+    // kNumCombineThreads, kSlotsInFlight the top-k rows it loads at once. Decode tiles: the math
+    // warpgroups alone with 8 (one round trip per chunk at top-k <= 8: latency). Prefill tiles: 4,
+    // plus the dispatch warps with 2 (their 40 registers), for throughput; 8 there would cost the
+    // BF16 128-row main loop its registers (ptxas spills).
+    static constexpr bool kCombineByDispatch = not kSplitN;
+    static constexpr int kMathCombineSlots = kSplitN ? 8 : 4;
+    static constexpr int kNumCombineThreads = kNumMathThreads + (kCombineByDispatch ? kNumDispatchThreads : 0);
 
     template <int kSlotsInFlight>
     __device__ void combine(int c, int thread, int group_thread, int group_threads, int group_barrier) {
@@ -554,7 +570,7 @@ struct Kernel {
         return t;
     }
 
-    // Dispatch warps: pull and combine tasks from the ring
+    // Dispatch warps: pull tasks from the ring, and combine tasks with prefill tiles
     __device__ void dispatch_worker() {
         const int dispatch_thread = static_cast<int>(threadIdx.x) - 32;
         const int total = tasks.total();
@@ -563,8 +579,8 @@ struct Kernel {
             // one decision for the whole group (its next named barrier needs every thread)
             if (named_barrier_or(kBarrierDispatchDecide, kNumDispatchThreads, t >= total or sm.ctrl->abort)) break;
             if (t < tasks.pull_end()) pull(t, dispatch_thread);
-            else if (t >= tasks.l2_end())
-                combine<2>(t - tasks.l2_end(), dispatch_thread, dispatch_thread, kNumDispatchThreads, kBarrierDispatch);
+            else if (kCombineByDispatch and t >= tasks.l2_end())
+                combine<2>(t - tasks.l2_end(), kNumMathThreads + dispatch_thread, dispatch_thread, kNumDispatchThreads, kBarrierDispatch);
         }
     }
 
@@ -1000,7 +1016,7 @@ struct Kernel {
                 l2_epilogue(m, j, mt, acc);
                 if (mt.tid == 0) trace(kTraceL2End);
             } else if (t >= tasks.l2_end()) {
-                combine<4>(t - tasks.l2_end(), kNumDispatchThreads + 128 * mt.wg + mt.tid, mt.tid, 128, kBarrierMathBase + mt.wg);
+                combine<kMathCombineSlots>(t - tasks.l2_end(), 128 * mt.wg + mt.tid, mt.tid, 128, kBarrierMathBase + mt.wg);
             }
         }
     }
