@@ -138,6 +138,19 @@ def test_fp4_row_major_delta_rejected():
                 l1_weights=(case.l1[0], row_major, case.l1[2]))
 
 
+def test_fp4_misaligned_delta_rejected():
+    # Deltas arrive by bulk copies (16-byte aligned addresses): a view at an odd offset is refused on
+    # the host instead of faulting on the device
+    case = Case('fp8xfp4')
+    delta = case.l1[1]
+    storage = torch.empty(delta.numel() + 16, dtype=torch.uint8, device=delta.device)
+    shifted = storage[8:8 + delta.numel()].view(delta.shape)
+    shifted.copy_(delta)
+    assert shifted.is_contiguous() and shifted.data_ptr() % 16 == 8
+    case.reject(ValueError, r'l1_weights delta must start at a 16-byte aligned address, got data_ptr\(\) % 16 = 8',
+                l1_weights=(case.l1[0], shifted, case.l1[2]))
+
+
 def test_weights_wrong_dtype(case):
     if case.mma_type == 'bf16xbf16':
         case.reject(TypeError, r'l1_weights must be torch\.bfloat16', l1_weights=case.l1.float())

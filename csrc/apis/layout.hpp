@@ -86,12 +86,13 @@ inline MegaMoELayout make_mega_moe_layout(int num_ranks, int num_experts, int nu
     if (intermediate_hidden <= 0 or intermediate_hidden % kScaleGranularity != 0)
         throw_invalid("intermediate_hidden", intermediate_hidden, "a positive multiple of " + std::to_string(kScaleGranularity));
     const MmaType type = check_mma_type(mma_type);
-    // The kernel keeps a task's weight block scales (one per K-block) in shared memory
+    // FP8 activations: the kernel keeps a task's weight block scales (one per K-block) in shared
+    // memory and a pulled row's scales in registers
     constexpr int kMaxK = kMegaMoEMaxKBlocks * kScaleGranularity;
-    if (hidden > kMaxK)
-        throw_invalid("hidden", hidden, "at most " + std::to_string(kMaxK));
-    if (intermediate_hidden > kMaxK)
-        throw_invalid("intermediate_hidden", intermediate_hidden, "at most " + std::to_string(kMaxK));
+    if (is_fp8_activation(type) and hidden > kMaxK)
+        throw_invalid("hidden", hidden, "at most " + std::to_string(kMaxK) + " with FP8 activations");
+    if (is_fp8_activation(type) and intermediate_hidden > kMaxK)
+        throw_invalid("intermediate_hidden", intermediate_hidden, "at most " + std::to_string(kMaxK) + " with FP8 activations");
     // The kernel keeps per-local-expert tables in shared memory and encodes (rank, token, slot) of a
     // pool row in an int32
     if (num_experts / num_ranks > kMegaMoEMaxLocalExperts)

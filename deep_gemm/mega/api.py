@@ -78,6 +78,10 @@ def _check_weights(arg: str, weights: object, spec: _WeightSpec, device: torch.d
             raise ValueError(f'{what} must be on {device} (the buffer\'s device), got {t.device}')
         if not t.is_contiguous():
             raise ValueError(f'{what} must be contiguous')
+        # Weights are read by TMA and FP4 deltas by bulk copies: both need 16-byte aligned addresses
+        # (a view at an odd offset would fault on the device instead of raising here)
+        if name in ('weights', 'delta') and t.data_ptr() % 16 != 0:
+            raise ValueError(f'{what} must start at a 16-byte aligned address, got data_ptr() % 16 = {t.data_ptr() % 16}')
 
 
 def _validate(kind: str, y: object, l1_weights: object, l2_weights: object, sym_buffer: object,

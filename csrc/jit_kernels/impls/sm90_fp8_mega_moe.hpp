@@ -117,7 +117,13 @@ inline MegaMoEConfig launch_sm90_mega_moe(const SM90MegaMoEArgs& a) {
     // Tuning aid (docs/KERNEL.md): DG_MEGA_MOE_PREFETCH_STAGES caps the weight prefetch; default all stages
     static const int prefetch_override = [] {
         const std::string v = jit::get_env("DG_MEGA_MOE_PREFETCH_STAGES");
-        return v.empty() ? -1 : std::max(0, std::stoi(v));
+        if (v.empty()) return -1;
+        size_t used = 0;
+        int value = -1;
+        try { value = std::stoi(v, &used); } catch (const std::exception&) { used = 0; }
+        if (used != v.size() or value < 0)
+            jit::raise_invalid_argument("DG_MEGA_MOE_PREFETCH_STAGES: expected a non-negative integer, got '", v, "'");
+        return value;
     }();
     params.num_prefetch_stages = prefetch_override >= 0 ? std::min(prefetch_override, config.num_stages) : config.num_stages;
 

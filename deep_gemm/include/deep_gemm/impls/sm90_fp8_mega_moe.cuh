@@ -247,6 +247,8 @@ struct Kernel {
             const uint64_t count = min_of(counts[e], n_max);
             st_release_sys(peer<uint64_t>(owner, lay.recv_count) + le * lay.num_ranks + p.rank, (static_cast<uint64_t>(epoch) << 32) | count);
         }
+        // The scratch counts live in stage 0, which TMA (async proxy) writes next
+        fence_proxy_async_shared();
         __syncthreads();
     }
 
