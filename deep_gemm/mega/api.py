@@ -54,16 +54,16 @@ def _describe(spec: _WeightSpec) -> str:
 
 
 def _check_weights(arg: str, weights: object, spec: _WeightSpec, device: torch.device) -> None:
-    expected = _describe(spec)
+    # The expected-format text is built only for an error message (this runs on every call)
     if len(spec) == 1:
         if not isinstance(weights, torch.Tensor):
-            raise TypeError(f'{arg} must be a tensor {expected} (from transform_weights_for_mega_moe), '
+            raise TypeError(f'{arg} must be a tensor {_describe(spec)} (from transform_weights_for_mega_moe), '
                             f'got {type(weights).__name__}')
         tensors = (weights,)
     else:
         if not isinstance(weights, (tuple, list)) or len(weights) != len(spec):
             got = f'a {len(weights)}-tuple' if isinstance(weights, (tuple, list)) else type(weights).__name__
-            raise TypeError(f'{arg} must be a {len(spec)}-tuple {expected} (from transform_weights_for_mega_moe), '
+            raise TypeError(f'{arg} must be a {len(spec)}-tuple {_describe(spec)} (from transform_weights_for_mega_moe), '
                             f'got {got}')
         tensors = tuple(weights)
     for t, (name, dtype, shape) in zip(tensors, spec):
@@ -71,9 +71,9 @@ def _check_weights(arg: str, weights: object, spec: _WeightSpec, device: torch.d
         if not isinstance(t, torch.Tensor):
             raise TypeError(f'{what} must be a torch.Tensor, got {type(t).__name__}')
         if t.dtype != dtype:
-            raise TypeError(f'{what} must be {dtype}, got {t.dtype} (expected {arg} = {expected})')
+            raise TypeError(f'{what} must be {dtype}, got {t.dtype} (expected {arg} = {_describe(spec)})')
         if tuple(t.shape) != tuple(shape):
-            raise ValueError(f'{what} must have shape {list(shape)}, got {list(t.shape)} (expected {arg} = {expected})')
+            raise ValueError(f'{what} must have shape {list(shape)}, got {list(t.shape)} (expected {arg} = {_describe(spec)})')
         if t.device != device:
             raise ValueError(f'{what} must be on {device} (the buffer\'s device), got {t.device}')
         if not t.is_contiguous():
