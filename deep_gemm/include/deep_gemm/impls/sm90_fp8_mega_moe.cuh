@@ -360,6 +360,7 @@ struct Kernel {
             // The row's scales are loaded before its bytes, so both round trips overlap (<= 4 per
             // lane: hidden <= kMegaMoEMaxKBlocks * 128)
             constexpr int kMaxSfPerLane = kMegaMoEMaxKBlocks / 32;
+            static_assert(kMegaMoEMaxKBlocks % 32 == 0, "a lane holds a whole number of a row's scales");
             const int num_sf = hidden / kScaleGranularity;
             float sf_v[kMaxSfPerLane];
             if constexpr (kFP8) {
@@ -893,6 +894,7 @@ struct Kernel {
         }
         if constexpr (kFP8 and kSplitN) {
             // [row][warpgroup] floats in the 16-byte pad after each 256-byte tile row
+            static_assert(kMegaMoEEpilogueRowBytes - 256 >= 2 * 4, "two amax floats fit the row pad");
             auto slot = [&](int half, int wg) {
                 return reinterpret_cast<float*>(tile + (mt.row_in_tile(half) - mt.row0()) * kMegaMoEEpilogueRowBytes + 256) + wg;
             };
