@@ -14,7 +14,7 @@ from deep_gemm.testing import moe_case as mc
 
 SLOTS = ['start', 'counted', 'layout', 'pull end', 'L1 begin', 'L1 end', 'L2 begin', 'L2 end',
          'combine ready', 'combine end', 'exit', 'pull begin', 'L1 1st stage']
-NUM_SLOTS = 48          # kTraceSlots; per K-block stamps of the first L1 task at 16 + kb (ready), 32 + kb (A issued)
+NUM_SLOTS = _C.kTraceSlots   # per K-block stamps of the first L1 task: kTraceKbReady + kb, kTraceKbIssue + kb
 
 
 def trace_case(fmt, h, i, e, k, n, reps=3):
@@ -35,7 +35,9 @@ def trace_case(fmt, h, i, e, k, n, reps=3):
             col = (col - t0) / 1e3
             print(f'{name:>14}: {col.numel():4d} CTAs  min {col.min():8.2f}  median {col.median():8.2f}  max {col.max():8.2f} us')
     # K-block cadence of the first L1 task, on the CTA that started L1 first
-    ready, issue = t[:, 16:32], t[:, 32:48]
+    kb_slots = _C.kTraceKbSlots
+    ready = t[:, _C.kTraceKbReady:_C.kTraceKbReady + kb_slots]
+    issue = t[:, _C.kTraceKbIssue:_C.kTraceKbIssue + kb_slots]
     rows = (ready[:, 0] > 0).nonzero().flatten()
     if rows.numel():
         r = rows[ready[rows, 0].argmin()]

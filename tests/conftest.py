@@ -8,6 +8,7 @@ import shutil
 import sys
 
 import pytest
+import torch
 
 # `python -m pytest` from the repo root already finds the in-place build; plain `pytest` may not
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,6 +39,11 @@ def cuobjdump_path():
     except ImportError:
         pass
     return next((c for c in candidates if c and os.path.isfile(c)), None)
+
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+# CPU always; the GPU too where there is one (helpers that run on either device)
+DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
 
 
 def sm90_gpu_available() -> bool:

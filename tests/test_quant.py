@@ -28,8 +28,7 @@ from deep_gemm.utils import (
     per_token_cast_to_fp8,
 )
 
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
+from conftest import DEVICES, requires_cuda  # noqa: E402
 FLOAT_DTYPES = [torch.float32, torch.bfloat16]
 
 # Float32 slack for the two scale operations (inv, sf) and the dequant multiply: a few ulps

@@ -38,8 +38,7 @@ from deep_gemm.utils import (
     per_token_cast_to_fp8,
 )
 
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
+from conftest import DEVICES, requires_cuda  # noqa: E402
 
 HIDDEN, INTERMEDIATE, NUM_EXPERTS = 256, 128, 8
 

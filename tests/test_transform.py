@@ -389,3 +389,10 @@ def test_fp4_shape_checks():
         transform_weights_for_mega_moe((w1, sf1[..., :-1]), l2)
     with pytest.raises(ValueError, match='multiple of 128'):
         transform_weights_for_mega_moe((w1[..., :-16], sf1[..., :-1]), l2)
+
+
+def test_fp4_delta_block_size_matches_the_kernel():
+    # The transform writes the blocks the kernel's bulk copies read: one size, defined by the kernel header
+    from deep_gemm import _C
+    from deep_gemm.mega.transform import FP4_DELTA_BLOCK_BYTES
+    assert FP4_DELTA_BLOCK_BYTES == _C.kMegaMoEDeltaBlockBytes == 512

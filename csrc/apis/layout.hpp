@@ -179,6 +179,12 @@ inline void register_apis(pybind11::module_& m) {
     m.attr("kStatusError") = buffer_layout::kStatusError;
     m.attr("kStatusAbort") = buffer_layout::kStatusAbort;
     m.attr("kNumStatusWords") = buffer_layout::kNumStatusWords;
+    // Formats and development aids whose numbers Python code must agree with
+    m.attr("kMegaMoEDeltaBlockBytes") = kMegaMoEDeltaBlockBytes;
+    m.attr("kTraceSlots") = static_cast<int>(kTraceSlots);
+    m.attr("kTraceKbReady") = static_cast<int>(kTraceKbReady);
+    m.attr("kTraceKbIssue") = static_cast<int>(kTraceKbIssue);
+    m.attr("kTraceKbSlots") = static_cast<int>(kTraceKbSlots);
     py::dict codes, phases;
     codes["timeout"] = static_cast<int>(StatusCode::kTimeout);
     codes["bad_expert_id"] = static_cast<int>(StatusCode::kBadExpertId);

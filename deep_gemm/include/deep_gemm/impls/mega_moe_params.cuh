@@ -50,7 +50,10 @@ DG_HOST_DEVICE constexpr int mega_moe_epilogue_bytes(int block_m) { return block
 // Per stage, next to the tiles: the M-block's activation scales for the K-block (FP8 activations,
 // block_m floats) and the B tile's exponent deltas (FP8 x FP4, 256 rows x 4 groups), both brought
 // by the producer with the tiles, so the math loop never waits on a global load
-constexpr int kMegaMoEDeltaBytesL1 = kMegaMoEBlockNL1 * 4;
+// FP4 exponent deltas in HBM (transform_weights_for_mega_moe): one block per 128 rows and K-block,
+// byte r * 4 + g = row r, 32-wide group g
+constexpr int kMegaMoEDeltaBlockBytes = 128 * 4;
+constexpr int kMegaMoEDeltaBytesL1 = kMegaMoEBlockNL1 / 128 * kMegaMoEDeltaBlockBytes;
 DG_HOST_DEVICE constexpr int mega_moe_stage_sf_bytes(MmaType t, int block_m) { return is_fp8_activation(t) ? block_m * 4 : 0; }
 DG_HOST_DEVICE constexpr int mega_moe_stage_extra_bytes(MmaType t, int block_m) {
     return mega_moe_stage_sf_bytes(t, block_m) + (t == MmaType::kFP8xFP4 ? kMegaMoEDeltaBytesL1 : 0);
@@ -58,8 +61,9 @@ DG_HOST_DEVICE constexpr int mega_moe_stage_extra_bytes(MmaType t, int block_m) 
 // FP32 weight block scales of one task (gate and up rows, one per K-block), per math warpgroup:
 // loaded once when the task starts. Bounds hidden and intermediate_hidden (checked by the host).
 constexpr int kMegaMoEMaxKBlocks = 128;
+constexpr int kMegaMoEWeightSfFloats = 2 * kMegaMoEMaxKBlocks;   // per math warpgroup: gate | up
 DG_HOST_DEVICE constexpr int mega_moe_weight_sf_bytes(MmaType t, int block_m) {
-    return is_fp8_activation(t) ? kMegaMoENumMathWarpgroups * 2 * kMegaMoEMaxKBlocks * 4 : 0;
+    return is_fp8_activation(t) ? kMegaMoENumMathWarpgroups * kMegaMoEWeightSfFloats * 4 : 0;
 }
 // mbarriers (stages x 2 + ring x 2), ring slots, per-expert token counts and M-block table,
 // scalars, the 16 x 16 E2M1 -> E4M3 expansion table

@@ -116,7 +116,7 @@ struct Kernel {
     static constexpr bool kFP4 = kMmaType == MmaType::kFP8xFP4;        // weights E2M1, expanded in smem
     static constexpr int kActBytes = activation_bytes(kMmaType);
     // Two math warpgroups: BLOCK_M = 128 gives each 64 rows; BLOCK_M = 64 splits the columns
-    static constexpr int kNumMathWGs = 2;
+    static constexpr int kNumMathWGs = kMegaMoENumMathWarpgroups;
     static constexpr bool kSplitN = BLOCK_M == 64;
     static constexpr int kNumThreads = 128 * (1 + kNumMathWGs);
     static constexpr int BLOCK_K = mega_moe_block_k(kMmaType);      // one 128-byte swizzle row
@@ -126,7 +126,7 @@ struct Kernel {
     static constexpr int kStageBytes = mega_moe_stage_bytes(kMmaType, BLOCK_M);
     static constexpr int kStageSfBytes = mega_moe_stage_sf_bytes(kMmaType, BLOCK_M);
     static constexpr int kStageExtraBytes = mega_moe_stage_extra_bytes(kMmaType, BLOCK_M);
-    static constexpr int kWeightSfFloats = 2 * kMegaMoEMaxKBlocks;   // per math warpgroup
+    static constexpr int kWeightSfFloats = kMegaMoEWeightSfFloats;
     static constexpr int kNumMathThreads = 128 * kNumMathWGs;
     static constexpr int kKStepsPerStage = 128 / mma::kWgmmaKBytes;
     static constexpr int kNumRingConsumers = kNumDispatchThreads + 128 * kNumMathWGs;
@@ -507,12 +507,12 @@ struct Kernel {
             const uint32_t b_bytes = kFP4 ? b_rows * (kMegaMoEPackedRowBytes + 4) : (is_l1 ? kBBytesL1 : kBBytesL2);
             const uint32_t stage_bytes = kABytes + kStageSfBytes + b_bytes;
             const CUtensorMap* tm_w = is_l1 ? tm_l1_w : tm_l2_w;
-            // FP4 deltas: 512 bytes per (128-row block, K-block), blocks of one expert K-major
+            // FP4 deltas: one block per (128-row block, K-block), blocks of one expert K-major
             const uint8_t* deltas = nullptr;
             if constexpr (kFP4) {
                 const int row_blocks = (is_l1 ? 2 * lay.intermediate_hidden : lay.hidden) / 128;
                 deltas = (is_l1 ? p.l1_weight_deltas : p.l2_weight_deltas) +
-                         (static_cast<int64_t>(le) * row_blocks + j * (b_rows / 128)) * num_kb * 512;
+                         (static_cast<int64_t>(le) * row_blocks + j * (b_rows / 128)) * num_kb * kMegaMoEDeltaBlockBytes;
             }
             auto claim_stage = [&](uint32_t it) {
                 const int s = it % kNumStages;
@@ -524,7 +524,8 @@ struct Kernel {
                 if constexpr (kFP4) {
                     tma_load_2d(sm.stage_packed_b(s), tm_w, sm.full + s, kb * kMegaMoEPackedRowBytes, b_row0);
                     for (int rb = 0; rb < b_rows / 128; ++rb)
-                        bulk_load(sm.stage_deltas(s) + rb * 512, deltas + (static_cast<int64_t>(rb) * num_kb + kb) * 512, 512, sm.full + s);
+                        bulk_load(sm.stage_deltas(s) + rb * kMegaMoEDeltaBlockBytes,
+                                  deltas + (static_cast<int64_t>(rb) * num_kb + kb) * kMegaMoEDeltaBlockBytes, kMegaMoEDeltaBlockBytes, sm.full + s);
                 } else {
                     tma_load_2d(sm.stage_b(s), tm_w, sm.full + s, kb * BLOCK_K, b_row0);
                 }
@@ -660,7 +661,7 @@ struct Kernel {
             const int c = math_thread + u * kNumMathThreads, r = c >> 3, chunk = c & 7;
             q[u] = *reinterpret_cast<const uint2*>(packed + r * kMegaMoEPackedRowBytes + chunk * 8);
             // Weights are host data: mask the delta so a corrupted byte cannot index past the table
-            d[u] = deltas[(r >> 7) * 512 + (r & 127) * 4 + (chunk >> 1)] & 15;
+            d[u] = deltas[(r >> 7) * kMegaMoEDeltaBlockBytes + (r & 127) * 4 + (chunk >> 1)] & 15;
         }
         #pragma unroll
         for (int u = 0; u < kPerThread; ++u) {
