@@ -23,7 +23,8 @@ def expected_smem(mma_type, block_m, stages):
     # C++: per stage an A tile of block_m rows x 128 bytes of K and the 256-row L1 B tile x 128 bytes;
     # the epilogue tile of block_m BF16 rows of 128 columns padded by 16 bytes; the control block
     # (2 mbarriers per stage, a 4-slot task ring of 2 mbarriers + an int each, 2 x 512 + 1 ints of
-    # expert tables, 64 bytes of scalars, the 256-byte FP4 expansion table) rounded up to 1 KB; 1 KB
+    # expert tables, 128 ints of pulled-row sources, 64 bytes of scalars, the 256-byte FP4 expansion
+    # table) rounded up to 1 KB; 1 KB
     # to re-align the base. FP8 activations add per stage the M-block's scales (block_m floats) and
     # per math warpgroup (always two) the task's weight scales (2 x 128 K-blocks of floats); FP4 adds per stage
     # the B tile's exponent deltas (256 rows x 4 bytes).
@@ -34,7 +35,7 @@ def expected_smem(mma_type, block_m, stages):
     b = 256 * block_k * elem + (256 * 64 + 256 * 4 if mma_type == 'fp8xfp4' else 0)   # + packed E2M1 staging
     epilogue = block_m * (128 * 2 + 16)
     weight_scales = 2 * 2 * 128 * 4 if fp8 else 0      # two math warpgroups at every block_m
-    control = -(-(stages * 16 + 4 * 20 + (2 * 512 + 1) * 4 + 64 + 256) // 1024) * 1024
+    control = -(-(stages * 16 + 4 * 20 + (2 * 512 + 1) * 4 + 128 * 4 + 64 + 256) // 1024) * 1024
     return stages * (a + b) + epilogue + weight_scales + control + 1024
 
 

@@ -130,7 +130,12 @@ def test_invalid_arguments_are_named(args, name):
 def test_sizes_that_overflow_are_rejected():
     # (rank, token, slot) past int32 (the kernel's row encoding), which also bounds pool rows
     with pytest.raises(ValueError, match='2\\^31'):
-        get_mega_moe_layout(8, 256, 2 ** 30, 8, 128, 128)
+        get_mega_moe_layout(8, 256, 2 ** 25, 8, 128, 128)
+    # A pulled row's (rank, token slot) packs into a uint32 of shared memory: 29 bits of slot
+    with pytest.raises(ValueError, match='num_max_tokens_per_rank = 67108864 is invalid: expected '
+                                         'num_max_tokens_per_rank \\* num_topk < 2\\^29'):
+        get_mega_moe_layout(1, 8, 2 ** 26, 8, 128, 128)
+    assert get_mega_moe_layout(1, 8, 2 ** 26 - 1, 8, 128, 128)['num_bytes'] > 0
     # FP8 activations: hidden / intermediate past the kernel's 128 K-blocks (task weight scales live
     # in shared memory)
     with pytest.raises(ValueError, match='hidden = 1073741824 is invalid: expected at most 16384'):
@@ -140,7 +145,7 @@ def test_sizes_that_overflow_are_rejected():
     # BF16 has no per-K-block scales: no such bound, so bytes past int64 are caught on their own
     assert get_mega_moe_layout(1, 8, 16, 8, 128, 16512, 'bf16xbf16')['num_bytes'] > 0
     with pytest.raises(ValueError, match='int64'):
-        get_mega_moe_layout(1, 8, 2 ** 27, 8, 2 ** 30, 128, 'bf16xbf16')
+        get_mega_moe_layout(1, 8, 2 ** 26 - 1, 8, 2 ** 31 - 128, 2 ** 31 - 128, 'bf16xbf16')
     # Largest-ish shapes that do fit are computed exactly
     layout = get_mega_moe_layout(8, 256, 1 << 18, 8, 16384, 16384, 'bf16xbf16')
     assert layout['num_pool_rows'] == expected_pool_rows(8, 32, 1 << 18, 8)

@@ -98,6 +98,10 @@ inline MegaMoELayout make_mega_moe_layout(int num_ranks, int num_experts, int nu
     if (num_experts / num_ranks > kMegaMoEMaxLocalExperts)
         throw_invalid("num_experts", num_experts, "at most " + std::to_string(kMegaMoEMaxLocalExperts) +
                       " local experts per rank (num_experts / num_ranks)");
+    // ... and a pulled row's (source rank, token slot) in a uint32 of shared memory
+    if (static_cast<int64_t>(num_max_tokens_per_rank) * num_topk >= (int64_t(1) << kPullTokenBits))
+        throw_invalid("num_max_tokens_per_rank", num_max_tokens_per_rank,
+                      "num_max_tokens_per_rank * num_topk < 2^" + std::to_string(kPullTokenBits));
     if (static_cast<int64_t>(num_ranks) * num_max_tokens_per_rank * num_topk >= (int64_t(1) << 31))
         throw_invalid("num_max_tokens_per_rank", num_max_tokens_per_rank,
                       "num_ranks * num_max_tokens_per_rank * num_topk < 2^31");

@@ -65,11 +65,16 @@ constexpr int kMegaMoEWeightSfFloats = 2 * kMegaMoEMaxKBlocks;   // per math war
 DG_HOST_DEVICE constexpr int mega_moe_weight_sf_bytes(MmaType t, int block_m) {
     return is_fp8_activation(t) ? kMegaMoENumMathWarpgroups * kMegaMoEWeightSfFloats * 4 : 0;
 }
-// mbarriers (stages x 2 + ring x 2), ring slots, per-expert token counts and M-block table,
-// scalars, the 16 x 16 E2M1 -> E4M3 expansion table
+// mbarriers (stages x 2 + ring x 2), ring slots, per-expert token counts and M-block table, the
+// pulled M-block's row sources, scalars, the 16 x 16 E2M1 -> E4M3 expansion table
 DG_HOST_DEVICE constexpr int mega_moe_control_smem_bytes(int num_stages) {
-    return align_up(num_stages * 16 + kMegaMoETaskRing * 20 + (2 * kMegaMoEMaxLocalExperts + 1) * 4 + 64 + 256, 1024);
+    return align_up(num_stages * 16 + kMegaMoETaskRing * 20 + (2 * kMegaMoEMaxLocalExperts + 1) * 4 +
+                    layout::kMaxBlockM * 4 + 64 + 256, 1024);
 }
+// A pulled row's source in one uint32: rank in the top 3 bits, token slot (token * top-k + k)
+// below (bounds num_max_tokens_per_rank * num_topk, checked by the host)
+constexpr int kPullTokenBits = 29;
+static_assert(kMaxRanks <= (1 << (32 - kPullTokenBits)), "a rank index fits the bits above the token");
 DG_HOST_DEVICE constexpr int mega_moe_smem_bytes(MmaType t, int block_m, int num_stages) {
     // +1024: the dynamic shared-memory base is re-aligned to 1024 B for the swizzled tiles
     return num_stages * (mega_moe_stage_bytes(t, block_m) + mega_moe_stage_extra_bytes(t, block_m)) +

@@ -15,7 +15,7 @@
 //
 // Roles (warpgroup 0 is the producer side, warpgroups 1.. are math):
 //   warp 0, one lane   scheduler (claims tasks, feeds the task ring) + TMA producer
-//   warps 1..3         dispatch: pull tasks (copy routed tokens into the L1 pool), combine (prefill tiles)
+//   warps 1..3         dispatch: pull tasks (copy routed tokens into the L1 pool)
 //   math warpgroups    wgmma, promotion, epilogues (64 rows each, or split columns of 64 rows), combine
 //
 // Every spin-wait is bounded (params.timeout_ns); on timeout or a fatal error the kernel records a
@@ -147,6 +147,7 @@ struct Kernel {
         int* ring_task;
         int* expert_tokens;       // [E_local]
         int* mblock_begin;        // [E_local + 1], exclusive prefix of M-blocks per local expert
+        uint32_t* pull_rows;      // [BLOCK_M] the pulled M-block's (source rank, token slot) per row
         uint8_t* fp4_table;       // [16 deltas][16 codes] E4M3 bytes (FP8 x FP4 only)
         SharedControl* ctrl;
 
@@ -163,7 +164,8 @@ struct Kernel {
             ring_task = reinterpret_cast<int*>(ring_empty + kMegaMoETaskRing);
             expert_tokens = ring_task + kMegaMoETaskRing;
             mblock_begin = expert_tokens + kMegaMoEMaxLocalExperts;
-            ctrl = reinterpret_cast<SharedControl*>(align_up<uintptr_t>(reinterpret_cast<uintptr_t>(mblock_begin + kMegaMoEMaxLocalExperts + 1), 16));
+            pull_rows = reinterpret_cast<uint32_t*>(mblock_begin + kMegaMoEMaxLocalExperts + 1);
+            ctrl = reinterpret_cast<SharedControl*>(align_up<uintptr_t>(reinterpret_cast<uintptr_t>(pull_rows + L::kMaxBlockM), 16));
             fp4_table = reinterpret_cast<uint8_t*>(align_up<uintptr_t>(reinterpret_cast<uintptr_t>(ctrl + 1), 16));
         }
         // Stage addresses are computed, not stored: an array indexed by a run-time stage would live in local memory
@@ -209,6 +211,11 @@ struct Kernel {
             if (sm.mblock_begin[mid] <= m) lo = mid; else hi = mid - 1;
         }
         return lo;
+    }
+
+    // Rows of M-block m that hold tokens (the rest is padding: computed, never written back)
+    __device__ int valid_rows(int m, int le) const {
+        return max_of(0, min_of(BLOCK_M, sm.expert_tokens[le] - (m - sm.mblock_begin[le]) * BLOCK_M));
     }
 
     // ------------------------------------------------------------------------------------------
@@ -310,99 +317,134 @@ struct Kernel {
     }
 
     // ------------------------------------------------------------------------------------------
-    // Pull one M-block (dispatch warps): copy its tokens from the source ranks into the L1 pool
+    // Pull one M-block (dispatch warps): copy its tokens from the source ranks into the L1 pool.
+    // Two steps: (1) one thread per row finds where the row comes from (source rank, token) and
+    // writes its routing info, every row at once; (2) teams of threads copy the rows, kPullInFlight
+    // 16-byte loads per thread issued before their stores, the team as wide as the rows allow (a
+    // decode M-block often holds one token: 96 threads move it in one round trip).
+    static constexpr int kPullRowsPerThread = ceil_div(BLOCK_M, kNumDispatchThreads);
+    static constexpr int kPullInFlight = 4;   // 16-byte loads per thread before their stores (40 registers)
+    static constexpr uint32_t kPullNoRow = 0xffffffffu;
+
     __device__ void pull(int m, int dispatch_thread) {
         const int le = expert_of_mblock(m);
         const int first_pos = (m - sm.mblock_begin[le]) * BLOCK_M;
-        const int num_tokens = sm.expert_tokens[le], num_ranks = lay.num_ranks, n_max = lay.num_max_tokens_per_rank;
-        const int hidden = lay.hidden, topk = lay.num_topk;
-        const auto* recv = mine<uint64_t>(lay.recv_count) + le * num_ranks;
-        const int* src_index = mine<int>(lay.src_index);
+        const int num_rows = valid_rows(m, le);
+        const int num_ranks = lay.num_ranks, n_max = lay.num_max_tokens_per_rank, topk = lay.num_topk;
+        const int hidden = lay.hidden;
+        const int64_t g0 = static_cast<int64_t>(m) * BLOCK_M;
         auto* row_info = mine<int>(lay.row_info);
         auto* row_weight = mine<float>(lay.row_weight);
-        auto* l1_act = mine<uint8_t>(lay.l1_act);
-        auto* l1_sf = mine<float>(lay.l1_sf);
-        const int warp = dispatch_thread / 32, lane = dispatch_thread % 32;
-        const int row_bytes = hidden * kActBytes;
         if (dispatch_thread == 0) trace(kTracePullBegin, true);
 
-        for (int r = warp; r < BLOCK_M; r += kNumDispatchWarps) {
+        // (1) Rows of this thread: r = dispatch_thread + kNumDispatchThreads * u
+        int token_slot[kPullRowsPerThread], src[kPullRowsPerThread];
+        #pragma unroll
+        for (int u = 0; u < kPullRowsPerThread; ++u) {
+            const int r = dispatch_thread + kNumDispatchThreads * u;
+            src[u] = 0, token_slot[u] = -1;
+            if (r >= num_rows) continue;
             const int pos = first_pos + r;
-            const int64_t g = static_cast<int64_t>(m) * BLOCK_M + r;
-            if (pos >= num_tokens) {            // padding row: its output is never written back
-                if (lane == 0) row_info[g] = -1, row_weight[g] = 0.0f;
-                continue;
-            }
-            int src = 0, prefix = 0;
-            for (; src < num_ranks; ++src) {
-                const int c = static_cast<int>(static_cast<uint32_t>(__ldcg(reinterpret_cast<const unsigned long long*>(recv + src))));
-                if (pos < prefix + c) break;
-                prefix += c;
-            }
-            int token_slot = __ldcg(src_index + (static_cast<int64_t>(le) * num_ranks + src) * n_max + (pos - prefix));
-            if (token_slot < 0 or token_slot >= n_max * topk) {
-                // Written by a peer: never trusted as an index. Fatal (the call's routing is broken);
-                // the row becomes padding so nothing below reads or writes outside the buffers.
-                if (lane == 0) {
-                    report(p, StatusCode::kBadCount, Phase::kPull, src, pos, true, sm.ctrl);
-                    row_info[g] = -1, row_weight[g] = 0.0f;
+            if (num_ranks > 1) {
+                // Which source rank: every count loaded at once, then a prefix walk
+                const auto* recv = mine<uint64_t>(lay.recv_count) + le * num_ranks;
+                int c[kMaxRanks];
+                #pragma unroll
+                for (int q = 0; q < kMaxRanks; ++q)
+                    c[q] = q < num_ranks ? static_cast<int>(static_cast<uint32_t>(__ldcg(reinterpret_cast<const unsigned long long*>(recv + q)))) : 0;
+                int prefix = 0;
+                bool found = false;
+                #pragma unroll
+                for (int q = 0; q < kMaxRanks; ++q) {
+                    if (q >= num_ranks or found) continue;
+                    if (pos < prefix + c[q]) found = true, src[u] = q;
+                    else prefix += c[q];
                 }
-                continue;
-            }
-            const int token = token_slot / topk;
-            if (lane == 0) {
-                row_info[g] = src * n_max * topk + token_slot;
-                row_weight[g] = peer<float>(src, lay.topk_weights)[token_slot];
-            }
-            const auto* from = reinterpret_cast<const int4*>(peer<uint8_t>(src, lay.x) + static_cast<int64_t>(token) * row_bytes);
-            auto* to = reinterpret_cast<int4*>(l1_act + g * row_bytes);
-            const int num_chunks = row_bytes / 16;
-            // The row's scales are loaded before its bytes, so both round trips overlap (<= 4 per
-            // lane: hidden <= kMegaMoEMaxKBlocks * 128)
-            constexpr int kMaxSfPerLane = kMegaMoEMaxKBlocks / 32;
-            static_assert(kMegaMoEMaxKBlocks % 32 == 0, "a lane holds a whole number of a row's scales");
-            const int num_sf = hidden / kScaleGranularity;
-            float sf_v[kMaxSfPerLane];
-            if constexpr (kFP8) {
-                const float* sf = peer<float>(src, lay.x_sf) + static_cast<int64_t>(token) * num_sf;
-                #pragma unroll
-                for (int u = 0; u < kMaxSfPerLane; ++u)
-                    if (lane + 32 * u < num_sf) sf_v[u] = __ldcg(sf + lane + 32 * u);
-            }
-            // kInFlight 16-byte loads per lane before their stores (NVLink / HBM latency); as many
-            // as the dispatch warps' register quota allows
-            constexpr int kInFlight = 4;
-            int c = lane;
-            for (; c + 32 * (kInFlight - 1) < num_chunks; c += 32 * kInFlight) {
-                int4 v[kInFlight];
-                #pragma unroll
-                for (int u = 0; u < kInFlight; ++u) v[u] = ld_global_nc(from + c + 32 * u);
-                #pragma unroll
-                for (int u = 0; u < kInFlight; ++u) to[c + 32 * u] = v[u];
-            }
-            for (; c < num_chunks; c += 32) to[c] = ld_global_nc(from + c);
-            if constexpr (kFP8) {
-                #pragma unroll
-                for (int u = 0; u < kMaxSfPerLane; ++u)
-                    if (lane + 32 * u < num_sf) l1_sf[static_cast<int64_t>(lane + 32 * u) * lay.num_pool_rows + g] = sf_v[u];
+                // Always found (the M-block table sums the same counts); else the row is reported below
+                if (found)
+                    token_slot[u] = __ldcg(mine<int>(lay.src_index) + (static_cast<int64_t>(le) * num_ranks + src[u]) * n_max + (pos - prefix));
+            } else {
+                token_slot[u] = __ldcg(mine<int>(lay.src_index) + static_cast<int64_t>(le) * n_max + pos);
             }
         }
-        // release: L1 TMA loads (async proxy) of this M-block must see the rows written above
+        #pragma unroll
+        for (int u = 0; u < kPullRowsPerThread; ++u) {
+            const int r = dispatch_thread + kNumDispatchThreads * u;
+            if (r >= BLOCK_M) continue;
+            uint32_t packed = kPullNoRow;
+            int info = -1;
+            if (r < num_rows) {
+                if (token_slot[u] < 0 or token_slot[u] >= n_max * topk) {
+                    // Written by a peer: never trusted as an index. Fatal (the call's routing is
+                    // broken); the row becomes padding so nothing below reads or writes outside the buffers.
+                    report(p, StatusCode::kBadCount, Phase::kPull, src[u], first_pos + r, true, sm.ctrl);
+                } else {
+                    info = src[u] * n_max * topk + token_slot[u];
+                    packed = (static_cast<uint32_t>(src[u]) << kPullTokenBits) | static_cast<uint32_t>(token_slot[u]);
+                }
+            }
+            // Padding rows (and broken ones): their output is never written back. A valid row's
+            // top-k weight is written with its bytes below.
+            row_info[g0 + r] = info;
+            if (packed == kPullNoRow) row_weight[g0 + r] = 0.0f;
+            sm.pull_rows[r] = packed;
+        }
+        named_barrier(kBarrierDispatch, kNumDispatchThreads);
+
+        // (2) Row bytes and scales: teams of 96 / min(rows, 3) threads, a row per team at a time, so
+        // a lone decode row gets every dispatch thread and a full M-block one warp per row
+        const int num_teams = max_of(1, min_of(num_rows, kNumDispatchWarps));
+        const int team_size = kNumDispatchThreads / num_teams;
+        const int team = dispatch_thread / team_size, team_thread = dispatch_thread % team_size;
+        const int row_bytes = hidden * kActBytes, num_chunks = row_bytes / 16;
+        const int num_sf = kFP8 ? hidden / kScaleGranularity : 0;
+        auto* l1_act = mine<uint8_t>(lay.l1_act);
+        auto* l1_sf = mine<float>(lay.l1_sf);
+        for (int r = team; r < num_rows and team < num_teams; r += num_teams) {
+            const uint32_t packed = sm.pull_rows[r];
+            if (packed == kPullNoRow) continue;
+            const int src_rank = static_cast<int>(packed >> kPullTokenBits);
+            const int slot = static_cast<int>(packed & ((1u << kPullTokenBits) - 1));
+            const int64_t token = slot / topk, g = g0 + r;
+            float weight = 0.0f;
+            if (team_thread == 0) weight = __ldcg(peer<float>(src_rank, lay.topk_weights) + slot);
+            const auto* from = reinterpret_cast<const int4*>(peer<uint8_t>(src_rank, lay.x) + token * row_bytes);
+            auto* to = reinterpret_cast<int4*>(l1_act + g * row_bytes);
+            const float* sf = kFP8 ? peer<float>(src_rank, lay.x_sf) + token * num_sf : nullptr;
+            // Batches of kPullInFlight chunks per thread, all loads before their stores; batch b also
+            // moves scale team_thread + b * team_size (a row has 8x more chunks than scales, so the
+            // batches cover them), one register instead of a row's worth
+            for (int c0 = team_thread, b = 0; c0 < num_chunks; c0 += team_size * kPullInFlight, ++b) {
+                int4 v[kPullInFlight];
+                const int k = team_thread + team_size * b;
+                float sf_v = 0.0f;
+                if (kFP8 and k < num_sf) sf_v = __ldcg(sf + k);
+                #pragma unroll
+                for (int u = 0; u < kPullInFlight; ++u)
+                    if (c0 + team_size * u < num_chunks) v[u] = ld_global_nc(from + c0 + team_size * u);
+                #pragma unroll
+                for (int u = 0; u < kPullInFlight; ++u)
+                    if (c0 + team_size * u < num_chunks) to[c0 + team_size * u] = v[u];
+                if (kFP8 and k < num_sf) l1_sf[static_cast<int64_t>(k) * lay.num_pool_rows + g] = sf_v;
+            }
+            if (team_thread == 0) row_weight[g] = weight;
+        }
+        // release: L1 TMA loads (async proxy, other CTAs) of this M-block must see the rows written
+        // above. Each thread fences its writes into the async proxy; after the barrier one release
+        // covers every thread's writes (cumulativity: the barrier orders them before it).
         fence_proxy_async_global();
-        __threadfence();
         named_barrier(kBarrierDispatch, kNumDispatchThreads);
         if (dispatch_thread == 0) red_release_gpu_add(mine<uint32_t>(lay.mblock_arrival) + m, 1), trace(kTracePullEnd);
     }
 
     // Combine: y[t] = sum over valid slots k (in order) of the BF16 rows (the GEMMs are over by
-    // then): a group is one math warpgroup or the dispatch warps, `thread` its index in the pool of
-    // kNumCombineThreads, kSlotsInFlight the top-k rows it loads at once. Decode tiles: the math
-    // warpgroups alone with 8 (one round trip per chunk at top-k <= 8: latency). Prefill tiles: 4,
-    // plus the dispatch warps with 2 (their 40 registers), for throughput; 8 there would cost the
-    // BF16 128-row main loop its registers (ptxas spills).
-    static constexpr bool kCombineByDispatch = not kSplitN;
+    // then), on the math warpgroups: a group is one warpgroup, `thread` its index among the
+    // kNumCombineThreads, kSlotsInFlight the top-k rows it loads at once (decode tiles 8: one round
+    // trip per chunk at top-k <= 8; prefill tiles 4: 8 would cost the BF16 128-row main loop its
+    // registers). The dispatch warps (40 registers) took a share with 128-row tiles until
+    // measured: without them mid / BF16 mid n = 4096 ran 6 % faster (docs/PERF.md).
     static constexpr int kMathCombineSlots = kSplitN ? 8 : 4;
-    static constexpr int kNumCombineThreads = kNumMathThreads + (kCombineByDispatch ? kNumDispatchThreads : 0);
+    static constexpr int kNumCombineThreads = kNumMathThreads;
 
     template <int kSlotsInFlight>
     __device__ void combine(int c, int thread, int group_thread, int group_threads, int group_barrier) {
@@ -471,6 +513,11 @@ struct Kernel {
         const auto* l1_done = mine<uint32_t>(lay.mblock_l1_done);
         bool is_l1 = false;
         int m = 0;
+        // A stage's bytes are expected when it is claimed (B may be streamed before the task's inputs
+        // are ready), but the producer arrives on its full barrier only here, after the acquire of
+        // the task's dependency: a math thread that waited for any stage of a task is ordered after
+        // that acquire, so its plain loads of what the pull / L1 CTAs wrote (row weights, routing)
+        // need no acquire of their own.
         auto issue_a = [&](uint32_t it) {
             const int s = it % kNumStages, kb = static_cast<int>(it - stage_iter);
             tma_load_2d(sm.stage_a(s), is_l1 ? tm_l1_act : tm_l2_act, sm.full + s, kb * BLOCK_K, m * BLOCK_M);
@@ -479,6 +526,7 @@ struct Kernel {
                 const float* sf = mine<float>(is_l1 ? lay.l1_sf : lay.l2_sf) + static_cast<int64_t>(kb) * lay.num_pool_rows + m * BLOCK_M;
                 bulk_load(sm.stage_sf(s), sf, kStageSfBytes, sm.full + s);
             }
+            mbarrier_arrive(sm.full + s);
         };
         for (int i = 0;; ++i) {
             int t = i == 0 ? sm.ctrl->first_task : static_cast<int>(atomicAdd(control + L::kControlTaskQueue, 1));
@@ -519,7 +567,7 @@ struct Kernel {
                 if (not bounded_wait(p, sm.ctrl, Phase::kPipeline, p.rank,
                                      [&] { return mbarrier_try_wait(sm.empty + s, ((it / kNumStages) & 1) ^ 1); }))
                     return false;
-                mbarrier_arrive_expect_tx(sm.full + s, stage_bytes);
+                mbarrier_expect_tx(sm.full + s, stage_bytes);
                 const int kb = static_cast<int>(it - stage_iter);
                 if constexpr (kFP4) {
                     tma_load_2d(sm.stage_packed_b(s), tm_w, sm.full + s, kb * kMegaMoEPackedRowBytes, b_row0);
@@ -574,7 +622,7 @@ struct Kernel {
         return t;
     }
 
-    // Dispatch warps: pull tasks from the ring, and combine tasks with prefill tiles
+    // Dispatch warps: pull tasks from the ring
     __device__ void dispatch_worker() {
         const int dispatch_thread = static_cast<int>(threadIdx.x) - 32;
         const int total = tasks.total();
@@ -583,8 +631,6 @@ struct Kernel {
             // one decision for the whole group (its next named barrier needs every thread)
             if (named_barrier_or(kBarrierDispatchDecide, kNumDispatchThreads, t >= total or sm.ctrl->abort)) break;
             if (t < tasks.pull_end()) pull(t, dispatch_thread);
-            else if (kCombineByDispatch and t >= tasks.l2_end())
-                combine<2>(t - tasks.l2_end(), kNumMathThreads + dispatch_thread, dispatch_thread, kNumDispatchThreads, kBarrierDispatch);
         }
     }
 
@@ -598,15 +644,6 @@ struct Kernel {
         __device__ int row_in_tile(int half) const { return (kSplitN ? 0 : wg * 64) + warp * 16 + lane / 4 + 8 * half; }
         __device__ int row0() const { return kSplitN ? 0 : wg * 64; }   // first tile row of this warpgroup
     };
-
-    // Per task, while its first wgmma runs: an acquire of the counter the producer waited on, so
-    // this thread's own loads of row weights and routing written by other CTAs are ordered after
-    // their release (the stage's full barrier alone orders us only behind the producer, and weight
-    // prefetch arms that barrier before the producer's acquire). Pool scales need no acquire: the
-    // producer's TMA brings them after its own.
-    __device__ void acquire_task_inputs(bool is_l1, int m) const {
-        (void)ld_acquire_gpu(mine<uint32_t>(is_l1 ? lay.mblock_arrival : lay.mblock_l1_done) + m);
-    }
 
     // The task's FP32 weight block scales (`count` floats from `src`) into this warpgroup's slice
     // of shared memory, once per task instead of one global round trip per K-block. The previous
@@ -704,8 +741,9 @@ struct Kernel {
     __device__ bool l1_mainloop(int m, int le, int j, uint32_t& stage_iter, const MathThread& mt, float (&acc)[kL1Acc], float (&row_w)[2]) {
         const int num_kb = lay.hidden / BLOCK_K;
         const int64_t g0 = static_cast<int64_t>(m) * BLOCK_M + mt.row_in_tile(0);
+        // Issued while the first MMAs run, used in the epilogue (ordered after the pull's writes by
+        // the stage wait: see issue_a in the scheduler)
         auto read_task_inputs = [&] {
-            acquire_task_inputs(true, m);
             row_w[0] = __ldcg(mine<float>(lay.row_weight) + g0);
             row_w[1] = __ldcg(mine<float>(lay.row_weight) + g0 + 8);
         };
@@ -835,7 +873,6 @@ struct Kernel {
                 for (int ks = 0; ks < kKStepsPerStage; ++ks)
                     FP8L2Mma::fma(mma::advance_desc(da, ks * mma::kWgmmaKBytes), mma::advance_desc(db, ks * mma::kWgmmaKBytes), part, ks > 0);
                 mma::warpgroup_commit();
-                if (kb == 0) acquire_task_inputs(false, m);
                 mma::warpgroup_wait<0>();
                 mma::fence_operands(part);
                 release_stage(stage_iter, mt);
@@ -855,7 +892,6 @@ struct Kernel {
                     BF16L2Mma::fma(mma::advance_desc(da, ks * mma::kWgmmaKBytes), mma::advance_desc(db, ks * mma::kWgmmaKBytes),
                                    acc, kb > 0 or ks > 0);
                 mma::warpgroup_commit();
-                if (kb == 0) acquire_task_inputs(false, m);
                 mma::warpgroup_wait<0>();
                 mma::fence_operands(acc);
                 release_stage(stage_iter, mt);
@@ -867,7 +903,7 @@ struct Kernel {
     // L1 epilogue: SwiGLU (+clamp) x top-k weight, FP8 per-128 quantization (or BF16), into the L2 pool.
     // Each warpgroup writes and copies out its own part of the tile (rows or, split, columns); split,
     // a row's 128 columns span both warpgroups, so the FP8 amax is exchanged (in the tile's row pad).
-    __device__ void l1_epilogue(int m, int j, const MathThread& mt, float (&acc)[kL1Acc], const float (&row_w)[2]) {
+    __device__ void l1_epilogue(int m, int j, int num_rows, const MathThread& mt, float (&acc)[kL1Acc], const float (&row_w)[2]) {
         uint8_t* tile = sm.epilogue + mt.row0() * kMegaMoEEpilogueRowBytes;
         const int col_base = kSplitN ? mt.wg * 64 : 0;      // first column of this warpgroup in the 128-wide block
         const float clamp = p.activation_clamp;
@@ -933,19 +969,22 @@ struct Kernel {
             }
         }
         named_barrier(kBarrierMathBase + mt.wg, 128);
-        // 16-byte row copies into the L2 pool: this warpgroup's columns of [j*128, j*128+128) of I
+        // 16-byte row copies into the L2 pool: this warpgroup's columns of [j*128, j*128+128) of I,
+        // rows that hold tokens only (a decode M-block is mostly padding)
         constexpr int kRowBytes = kL1Cols * kActBytes, kChunks = kRowBytes / 16;
         const int byte0 = col_base * kActBytes;
+        const int rows = max_of(0, min_of(64, num_rows - mt.row0()));
         auto* l2_act = mine<uint8_t>(lay.l2_act);
-        for (int c = mt.tid; c < 64 * kChunks; c += 128) {
+        for (int c = mt.tid; c < rows * kChunks; c += 128) {
             const int r = c / kChunks, col = byte0 + (c % kChunks) * 16;
             const int64_t g = static_cast<int64_t>(m) * BLOCK_M + mt.row0() + r;
             *reinterpret_cast<int4*>(l2_act + g * lay.intermediate_hidden * kActBytes + j * 128 * kActBytes + col) =
                 *reinterpret_cast<const int4*>(tile + r * kMegaMoEEpilogueRowBytes + col);
         }
-        // release: L2 TMA loads (async proxy, other CTAs) must see these rows and scales
+        // release: L2 TMA loads (async proxy, other CTAs) must see these rows and scales. Each
+        // thread fences its writes into the async proxy; after the barrier one release covers
+        // every thread's writes (cumulativity: the barrier orders them before it).
         fence_proxy_async_global();
-        __threadfence();
         named_barrier(kBarrierMathBase + mt.wg, 128);
         if (mt.tid == 0) red_release_gpu_add(mine<uint32_t>(lay.mblock_l1_done) + m, 1);
     }
@@ -953,7 +992,7 @@ struct Kernel {
     // L2 epilogue: BF16 rows straight into the source rank's combine slot [k][token][hidden]. Each
     // warpgroup stages and copies out only its own part of the tile (its 64 rows, or split: its 64
     // columns), so the two never share shared-memory bytes here.
-    __device__ void l2_epilogue(int m, int j, const MathThread& mt, float (&acc)[kL2Acc]) {
+    __device__ void l2_epilogue(int m, int j, int num_rows, const MathThread& mt, float (&acc)[kL2Acc]) {
         uint8_t* tile = sm.epilogue + mt.row0() * kMegaMoEEpilogueRowBytes;
         const int col_base = kSplitN ? mt.wg * 64 : 0;      // columns of the 128-wide N-block
         #pragma unroll
@@ -969,7 +1008,8 @@ struct Kernel {
         const int* row_info = mine<int>(lay.row_info);
         const int n_max = lay.num_max_tokens_per_rank, topk = lay.num_topk;
         constexpr int kChunks = kL2Cols * 2 / 16;          // 16-byte chunks of this warpgroup's columns
-        for (int c = mt.tid; c < 64 * kChunks; c += 128) {
+        const int rows = max_of(0, min_of(64, num_rows - mt.row0()));   // padding rows are never written back
+        for (int c = mt.tid; c < rows * kChunks; c += 128) {
             const int r = c / kChunks, col = col_base * 2 + (c % kChunks) * 16;
             const int info = __ldcg(row_info + static_cast<int64_t>(m) * BLOCK_M + mt.row0() + r);
             if (info < 0) continue;
@@ -977,10 +1017,11 @@ struct Kernel {
             auto* dst = peer<uint8_t>(src, lay.combine) + ((static_cast<int64_t>(k) * n_max + token) * lay.hidden + j * 128) * 2 + col;
             *reinterpret_cast<int4*>(dst) = *reinterpret_cast<const int4*>(tile + r * kMegaMoEEpilogueRowBytes + col);
         }
-        // release (system scope): the source rank's combine reads these rows after our signal
-        __threadfence_system();
+        // release (system scope): the source rank's combine reads these rows after our signal. One
+        // fence after the barrier covers every thread's stores (cumulativity).
         named_barrier(kBarrierMathBase + mt.wg, 128);
         if (mt.tid == 0) {
+            fence_acq_rel_sys();
             const uint32_t target = static_cast<uint32_t>(tasks.num_mblocks * tasks.num_l2_nblocks * kNumMathWGs);
             if (atom_acq_rel_gpu_add(mine<uint32_t>(lay.control) + L::kControlL2TasksDone, 1) + 1 == target)
                 signal_combine_ready();
@@ -1010,15 +1051,17 @@ struct Kernel {
                 const int idx = t - tasks.pull_end(), m = idx / tasks.num_l1_nblocks, j = idx % tasks.num_l1_nblocks;
                 float acc[kL1Acc], row_w[2];
                 if (mt.tid == 0) trace(kTraceL1Begin, true);
-                if (not l1_mainloop(m, expert_of_mblock(m), j, stage_iter, mt, acc, row_w)) break;
-                l1_epilogue(m, j, mt, acc, row_w);
+                const int le = expert_of_mblock(m);
+                if (not l1_mainloop(m, le, j, stage_iter, mt, acc, row_w)) break;
+                l1_epilogue(m, j, valid_rows(m, le), mt, acc, row_w);
                 if (mt.tid == 0 and mt.wg == 0) trace(kTraceL1End);
             } else if (t >= tasks.l1_end() and t < tasks.l2_end()) {
                 const int idx = t - tasks.l1_end(), m = idx / tasks.num_l2_nblocks, j = idx % tasks.num_l2_nblocks;
                 float acc[kL2Acc];
                 if (mt.tid == 0) trace(kTraceL2Begin, true);
-                if (not l2_mainloop(m, expert_of_mblock(m), j, stage_iter, mt, acc)) break;
-                l2_epilogue(m, j, mt, acc);
+                const int le = expert_of_mblock(m);
+                if (not l2_mainloop(m, le, j, stage_iter, mt, acc)) break;
+                l2_epilogue(m, j, valid_rows(m, le), mt, acc);
                 if (mt.tid == 0) trace(kTraceL2End);
             } else if (t >= tasks.l2_end()) {
                 combine<kMathCombineSlots>(t - tasks.l2_end(), 128 * mt.wg + mt.tid, mt.tid, 128, kBarrierMathBase + mt.wg);

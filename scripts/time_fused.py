@@ -1,0 +1,45 @@
+"""Time the fused kernel alone, for A/B comparisons of kernel changes within one device call.
+
+    python scripts/time_fused.py [--reps R] fmt hidden inter experts topk n [fmt hidden ...]
+
+Per case: median of R CUDA-graph replays of one EP1 call (L2 flushed before each, as in
+`deep_gemm.bench`), no baseline. Run it twice per variant, interleaved (A B A B), with PYTHONPATH
+pointing at each variant's copy of the package (the repository root for the working tree): one device call then compares variants on the
+same GPU, which separate calls (a fresh machine each) cannot.
+"""
+import argparse
+import os
+
+import torch
+
+from deep_gemm.mega import api as mega_api
+from deep_gemm.testing import moe_case as mc
+from deep_gemm.testing.bench_utils import L2Flusher, capture_graph, event_median_us
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument('--reps', type=int, default=30)
+    parser.add_argument('case', nargs='+')
+    args = parser.parse_args()
+    flush = L2Flusher(torch.device('cuda'))
+    fns = {'fp8xfp8': mega_api.fp8_mega_moe, 'bf16xbf16': mega_api.bf16_mega_moe, 'fp8xfp4': mega_api.fp8_fp4_mega_moe}
+    tag = os.path.dirname(os.path.dirname(os.path.abspath(mega_api.__file__)))
+    for c in range(0, len(args.case), 6):
+        fmt = args.case[c]
+        h, i, e, k, n = map(int, args.case[c + 1:c + 6])
+        w = mc.make_weights(fmt, h, i, e, 1, seed=0)
+        (buf,) = mc.make_buffers(fmt, 1, e, n, k, h, i)
+        inputs = mc.make_inputs(fmt, [n], h, e, k, seed=1)
+        (y,) = mc.run_ranks(w, inputs, [buf])
+        l1, l2 = w.per_rank[0]
+        graph, _ = capture_graph(lambda: fns[fmt](y, l1, l2, buf))
+        us = event_median_us(graph.replay, args.reps, flush)
+        buf.check()
+        print(f'{tag}: {fmt} {h}/{i}/{e}/{k} n={n}: {us:.1f} us', flush=True)
+        del w, buf, inputs, y, graph
+        torch.cuda.empty_cache()
+
+
+if __name__ == '__main__':
+    main()
