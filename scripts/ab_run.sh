@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# A/B timing of kernel variants in ONE device call (every call gets a fresh machine, and H200s
+# differ by a few percent, so numbers from separate calls do not compare).
+#
+#   A = the working tree; each ab/<name>.cuh = a variant of impls/sm90_fp8_mega_moe.cuh
+#   bash scripts/ab_prebuild.sh fp8xfp8 bf16xbf16             # on the CPU machine: every variant's cubins
+#   run(command="AB_TESTS='tests/test_mega_moe_gpu.py' bash scripts/ab_run.sh fp8xfp8 2048 768 128 8 1 ...",
+#       carry=[".whl", ".jit_cache", "ab"])
+#
+# Builds _C, runs $AB_TESTS (default: the layout tests) on A, then scripts/time_fused.py on A and on
+# every variant, interleaved twice (A V1 V2 A V1 V2); log in $OUT/ab.log.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+bash scripts/device_run.sh ${AB_TESTS:-tests/test_layout.py} | tail -3
+export DG_JIT_CACHE_DIR=$PWD/.jit_cache
+VARIANTS=$(ls ab/*.cuh 2>/dev/null)
+for v in $VARIANTS; do
+    d=/tmp/ab_$(basename "$v" .cuh)
+    rm -rf "$d" && mkdir -p "$d" && cp -r deep_gemm "$d"/ && cp "$v" "$d"/deep_gemm/include/deep_gemm/impls/sm90_fp8_mega_moe.cuh
+done
+PYTHONPATH=/tmp/site:$PWD python3 -c "from scripts.trace import warm_up_gpu; warm_up_gpu()"
+for _ in 1 2; do
+    PYTHONPATH=/tmp/site:$PWD python3 scripts/time_fused.py "$@" 2>&1 | tee -a "$OUT/ab.log"
+    for v in $VARIANTS; do
+        PYTHONPATH=/tmp/site:/tmp/ab_$(basename "$v" .cuh) python3 scripts/time_fused.py "$@" 2>&1 | tee -a "$OUT/ab.log"
+    done
+done
