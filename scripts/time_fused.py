@@ -20,8 +20,13 @@ from deep_gemm.testing.bench_utils import L2Flusher, capture_graph, event_median
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument('--reps', type=int, default=30)
-    parser.add_argument('case', nargs='+')
+    parser.add_argument('case', nargs='+', help='groups of: fmt hidden inter experts topk n')
     args = parser.parse_args()
+    if len(args.case) % 6:
+        parser.error(f'cases come in groups of 6 (fmt hidden inter experts topk n), got {len(args.case)} values')
+    for c in range(0, len(args.case), 6):
+        if args.case[c] not in ('fp8xfp8', 'bf16xbf16', 'fp8xfp4'):
+            parser.error(f'format {args.case[c]!r}: expected fp8xfp8, bf16xbf16 or fp8xfp4')
     flush = L2Flusher(torch.device('cuda'))
     fns = {'fp8xfp8': mega_api.fp8_mega_moe, 'bf16xbf16': mega_api.bf16_mega_moe, 'fp8xfp4': mega_api.fp8_fp4_mega_moe}
     tag = os.path.dirname(os.path.dirname(os.path.abspath(mega_api.__file__)))

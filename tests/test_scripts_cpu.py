@@ -1,0 +1,40 @@
+"""The development scripts under scripts/ stay runnable: shell scripts parse, Python scripts
+compile, and the A/B timer's command line works without a GPU."""
+import glob
+import os
+import py_compile
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = os.path.join(ROOT, 'scripts')
+
+
+@pytest.mark.parametrize('path', sorted(glob.glob(os.path.join(SCRIPTS, '*.sh'))), ids=os.path.basename)
+def test_shell_script_parses(path):
+    result = subprocess.run(['bash', '-n', path], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize('path', sorted(glob.glob(os.path.join(SCRIPTS, '*.py'))), ids=os.path.basename)
+def test_python_script_compiles(path, tmp_path):
+    py_compile.compile(path, cfile=str(tmp_path / 'out.pyc'), doraise=True)
+
+
+def test_time_fused_help_runs_without_a_gpu():
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get('PYTHONPATH', ''))
+    result = subprocess.run([sys.executable, os.path.join(SCRIPTS, 'time_fused.py'), '--help'],
+                            capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert 'case' in result.stdout and '--reps' in result.stdout
+
+
+def test_time_fused_rejects_a_malformed_case():
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get('PYTHONPATH', ''))
+    for args in (['fp8xfp8', '2048', '768'], ['fp16', '2048', '768', '128', '8', '1']):
+        result = subprocess.run([sys.executable, os.path.join(SCRIPTS, 'time_fused.py'), *args],
+                                capture_output=True, text=True, env=env, timeout=120)
+        assert result.returncode == 2, result.stderr
+        assert 'groups of 6' in result.stderr or 'expected fp8xfp8' in result.stderr, result.stderr
