@@ -324,6 +324,9 @@ struct Kernel {
     // decode M-block often holds one token: 96 threads move it in one round trip).
     static constexpr int kPullRowsPerThread = ceil_div(BLOCK_M, kNumDispatchThreads);
     static constexpr int kPullInFlight = 4;   // 16-byte loads per thread before their stores (40 registers)
+    // A row's batches also carry its FP8 scales, one per thread and batch: that covers them while a
+    // batch holds at most as many chunks per thread as a scale has 16-byte chunks of activations
+    static_assert(kPullInFlight <= kScaleGranularity / 16, "the pull's batches cover a row's scales");
     static constexpr uint32_t kPullNoRow = 0xffffffffu;
 
     __device__ void pull(int m, int dispatch_thread) {
