@@ -248,8 +248,7 @@ def bench_row(mma_type: str, shape: MoEShape, n: int, ep: int, weights, buffers,
     from .testing.moe_case import make_inputs, run_ranks
     from .testing.reference import calc_diff
 
-    fn = {'fp8xfp8': mega_api.fp8_mega_moe, 'bf16xbf16': mega_api.bf16_mega_moe,
-          'fp8xfp4': mega_api.fp8_fp4_mega_moe}[mma_type]
+    fn = mega_api.mega_moe_function(mma_type)
     inputs = make_inputs(mma_type, [n] * ep, shape.hidden, shape.num_experts, shape.num_topk, seed, device='cuda')
     pairs, touched = routing_counts([inp.topk_idx for inp in inputs])
     fields: Dict[str, object] = dict(routed_pairs=pairs, experts_touched=touched)

@@ -25,10 +25,9 @@ def main() -> None:
     if len(args.case) % 6:
         parser.error(f'cases come in groups of 6 (fmt hidden inter experts topk n), got {len(args.case)} values')
     for c in range(0, len(args.case), 6):
-        if args.case[c] not in ('fp8xfp8', 'bf16xbf16', 'fp8xfp4'):
-            parser.error(f'format {args.case[c]!r}: expected fp8xfp8, bf16xbf16 or fp8xfp4')
+        if args.case[c] not in mega_api.MEGA_MOE_FUNCTIONS:
+            parser.error(f'format {args.case[c]!r}: expected {" / ".join(mega_api.MEGA_MOE_FUNCTIONS)}')
     flush = L2Flusher(torch.device('cuda'))
-    fns = {'fp8xfp8': mega_api.fp8_mega_moe, 'bf16xbf16': mega_api.bf16_mega_moe, 'fp8xfp4': mega_api.fp8_fp4_mega_moe}
     tag = os.path.dirname(os.path.dirname(os.path.abspath(mega_api.__file__)))
     for c in range(0, len(args.case), 6):
         fmt = args.case[c]
@@ -38,7 +37,7 @@ def main() -> None:
         inputs = mc.make_inputs(fmt, [n], h, e, k, seed=1)
         (y,) = mc.run_ranks(w, inputs, [buf])
         l1, l2 = w.per_rank[0]
-        graph, _ = capture_graph(lambda: fns[fmt](y, l1, l2, buf))
+        graph, _ = capture_graph(lambda: mega_api.mega_moe_function(fmt)(y, l1, l2, buf))
         us = event_median_us(graph.replay, args.reps, flush)
         buf.check()
         print(f'{tag}: {fmt} {h}/{i}/{e}/{k} n={n}: {us:.1f} us', flush=True)

@@ -9,6 +9,7 @@ import torch
 
 import deep_gemm
 from deep_gemm import _C
+from deep_gemm.mega.api import mega_moe_function
 from deep_gemm.testing import calc_diff
 from deep_gemm.testing import moe_case as mc
 
@@ -146,8 +147,7 @@ def test_abort_in_the_middle_of_a_call_leaves_cleanly(mma_type, n):
     w = mc.make_weights(mma_type, hidden, inter, experts, 1, seed=0)
     (buf,) = mc.make_buffers(mma_type, 1, experts, n, topk, hidden, inter)
     inp = mc.make_inputs(mma_type, [n], hidden, experts, topk, seed=6)[0]
-    fn = {'fp8xfp8': deep_gemm.fp8_mega_moe, 'bf16xbf16': deep_gemm.bf16_mega_moe,
-          'fp8xfp4': deep_gemm.fp8_fp4_mega_moe}[mma_type]
+    fn = mega_moe_function(mma_type)
     cubin = _C.compile('test_inject', INJECT_SOURCE)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     status_ptr = buf.workspace.data_ptr() + buf.layout['status'][0]

@@ -223,6 +223,15 @@ def bf16_mega_moe(y: torch.Tensor, l1_weights: Weights, l2_weights: Weights, sym
          activation, activation_clamp, fast_math)
 
 
+# The entry point of each weight format, by name (benchmarks, checks and tests pick the call by format)
+MEGA_MOE_FUNCTIONS = {'fp8xfp8': 'fp8_mega_moe', 'fp8xfp4': 'fp8_fp4_mega_moe', 'bf16xbf16': 'bf16_mega_moe'}
+
+
+def mega_moe_function(mma_type: str):
+    """The entry point for `mma_type`, looked up when called (so a patched module attribute counts)."""
+    return globals()[MEGA_MOE_FUNCTIONS[mma_type]]
+
+
 def _fill_docs() -> None:
     fp8_sf = ', sym_buffer.x_sf[:n] (float32 [n, hidden/128])'
     docs = {

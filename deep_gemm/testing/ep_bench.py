@@ -324,8 +324,7 @@ def _bench_ep_row(rank: int, world_size: int, mma_type: str, shape: MoEShape, n:
     from .moe_case import make_inputs
     from .reference import calc_diff
 
-    fn = {'fp8xfp8': mega_api.fp8_mega_moe, 'bf16xbf16': mega_api.bf16_mega_moe,
-          'fp8xfp4': mega_api.fp8_fp4_mega_moe}[mma_type]
+    fn = mega_api.mega_moe_function(mma_type)
     device = buf.device
     e_local = shape.num_experts // world_size
     fields: Dict[str, Any] = {}

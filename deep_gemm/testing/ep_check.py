@@ -206,8 +206,7 @@ def check_ep_rank(rank: int, world_size: int, mma_type: str, shape: Shape, ns: O
         raise ValueError(f'ns = {ns} exceeds n_max = {n_max}')
     device = torch.device(device) if device is not None else torch.device('cuda', torch.cuda.current_device())
     tol = TOLERANCE[mma_type]
-    fn = {'fp8xfp8': mega_api.fp8_mega_moe, 'bf16xbf16': mega_api.bf16_mega_moe,
-          'fp8xfp4': mega_api.fp8_fp4_mega_moe}[mma_type]
+    fn = mega_api.mega_moe_function(mma_type)
     e_local = experts // world_size
     report: Dict[str, Any] = dict(ns=ns, n_max=n_max)
     calls = 0

@@ -195,8 +195,7 @@ def stage_inputs(buf, inp: RankInputs) -> int:
 def run_ranks(weights: MoEWeights, inputs: List[RankInputs], buffers, activation_clamp=None, stats=None,
               poison=True, streams: Optional[VirtualRankStreams] = None) -> List[torch.Tensor]:
     """Stage every rank's inputs, launch every rank on its own stream, return the y's (synchronized)."""
-    fn = {'fp8xfp8': mega_api.fp8_mega_moe, 'bf16xbf16': mega_api.bf16_mega_moe,
-          'fp8xfp4': mega_api.fp8_fp4_mega_moe}[weights.mma_type]
+    fn = mega_api.mega_moe_function(weights.mma_type)
     ys = []
     for buf, inp in zip(buffers, inputs):
         n = stage_inputs(buf, inp)
