@@ -586,22 +586,52 @@ struct Kernel {
 
             // Weights do not depend on this call's routing: stream the first stages of B while the
             // M-block's tokens (L1) or its L1 outputs (L2) are still on their way. In decode this
-            // overlaps nearly all L2 weight traffic with L1, and all of it with dispatch.
+            // overlaps nearly all L2 weight traffic with L1, and all of it with dispatch. The
+            // dependency is probed (relaxed load) before the first stage is claimed and looked at
+            // once that claim is in: when it is already met (later L2 tasks, prefill), A tiles go out
+            // with their B at once, not after the prefetched stages and a blocking acquire.
+            const uint32_t* dep = is_l1 ? arrival + m : l1_done + m;
+            const uint32_t dep_target = is_l1 ? 1u : static_cast<uint32_t>(tasks.num_l1_nblocks * kNumMathWGs);
+            const Phase dep_phase = is_l1 ? Phase::kL1Wait : Phase::kL2Wait;
+            const uint32_t probe = ld_relaxed_gpu(dep);
             const int num_prefetch = min_of(num_kb, min_of(kNumStages, p.num_prefetch_stages));
-            bool ok = true;
-            for (int kb = 0; kb < num_prefetch and ok; ++kb) ok = claim_stage(stage_iter + kb);
-
-            // acquire: L1 waits for its M-block's tokens, L2 for all L1 N-blocks of its M-block
-            ok = ok and (is_l1
-                ? bounded_wait(p, sm.ctrl, Phase::kL1Wait, p.rank, [&] { return ld_acquire_gpu(arrival + m) >= 1; })
-                : bounded_wait(p, sm.ctrl, Phase::kL2Wait, p.rank, [&] {
-                      return ld_acquire_gpu(l1_done + m) >= static_cast<uint32_t>(tasks.num_l1_nblocks * kNumMathWGs); }));
-            if (not ok) break;
-            fence_proxy_async_global();
+            bool ok = true, ready = false;
+            int a_next = 0;     // the first K-block whose A tile is not issued yet
             for (int kb = 0; kb < num_kb and ok; ++kb) {
-                if (kb >= num_prefetch) ok = claim_stage(stage_iter + kb);
-                if (ok) issue_a(stage_iter + kb), a_issued_end = stage_iter + kb + 1;
-                if (is_l1 and kb < kTraceKbSlots) trace(kTraceKbIssue + kb, true);
+                if (not ready and kb >= num_prefetch) {
+                    // acquire: L1 waits for its M-block's tokens, L2 for all L1 N-blocks of its M-block
+                    ok = bounded_wait(p, sm.ctrl, dep_phase, p.rank, [&] { return ld_acquire_gpu(dep) >= dep_target; });
+                    if (not ok) break;
+                    fence_proxy_async_global();
+                    ready = true;
+                    // The prefetched stages get their A tiles before the next claim, which may wait for
+                    // the math to release one of them (it cannot before its A arrives)
+                    for (; a_next < kb; ++a_next) {
+                        issue_a(stage_iter + a_next), a_issued_end = stage_iter + a_next + 1;
+                        if (is_l1 and a_next < kTraceKbSlots) trace(kTraceKbIssue + a_next, true);
+                    }
+                }
+                ok = claim_stage(stage_iter + kb);
+                if (not ok) break;
+                if (kb == 0 and not ready and probe >= dep_target) {
+                    fence_acq_rel_gpu();          // after the relaxed probe: an acquire of the dependency
+                    fence_proxy_async_global();
+                    ready = true;
+                }
+                for (; ready and a_next <= kb; ++a_next) {
+                    issue_a(stage_iter + a_next), a_issued_end = stage_iter + a_next + 1;
+                    if (is_l1 and a_next < kTraceKbSlots) trace(kTraceKbIssue + a_next, true);
+                }
+            }
+            if (ok and not ready) {   // every K-block was prefetched: wait, then all A tiles
+                ok = bounded_wait(p, sm.ctrl, dep_phase, p.rank, [&] { return ld_acquire_gpu(dep) >= dep_target; });
+                if (ok) {
+                    fence_proxy_async_global();
+                    for (; a_next < num_kb; ++a_next) {
+                        issue_a(stage_iter + a_next), a_issued_end = stage_iter + a_next + 1;
+                        if (is_l1 and a_next < kTraceKbSlots) trace(kTraceKbIssue + a_next, true);
+                    }
+                }
             }
             if (not ok) break;
             stage_iter += num_kb;
