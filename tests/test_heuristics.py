@@ -20,7 +20,8 @@ def config(mma_type='fp8xfp4', num_ranks=8, num_experts=256, num_topk=8, hidden=
 
 def expected_smem(mma_type, block_m, stages):
     # Written from the kernel's carve-up (deep_gemm/impls/mega_moe_params.cuh), independently of the
-    # C++: per stage an A tile of block_m rows x 128 bytes of K and the 256-row L1 B tile x 128 bytes;
+    # C++: per stage an A tile of block_m rows x 128 bytes of K and the 256-row L1 B tile x 128 bytes
+    # (FP4: packed, 64 bytes, plus one expanded 256 x 128 E4M3 tile outside the stages);
     # the epilogue tile of block_m BF16 rows of 128 columns padded by 16 bytes; the control block
     # (2 mbarriers per stage, a 4-slot task ring of 2 mbarriers + an int each, 2 x 512 + 1 ints of
     # expert tables, 128 ints of pulled-row sources, 64 bytes of scalars, the 256-byte FP4 expansion
@@ -32,11 +33,13 @@ def expected_smem(mma_type, block_m, stages):
     elem = 2 if mma_type == 'bf16xbf16' else 1
     fp8 = mma_type != 'bf16xbf16'
     a = block_m * block_k * elem + (block_m * 4 if fp8 else 0)
-    b = 256 * block_k * elem + (256 * 64 + 256 * 4 if mma_type == 'fp8xfp4' else 0)   # + packed E2M1 staging
+    fp4 = mma_type == 'fp8xfp4'
+    b = 256 * 64 + 256 * 4 if fp4 else 256 * block_k * elem
+    expanded = 256 * 128 if fp4 else 0
     epilogue = block_m * (128 * 2 + 16)
     weight_scales = 2 * 2 * 128 * 4 if fp8 else 0      # two math warpgroups at every block_m
     control = -(-(stages * 16 + 4 * 20 + (2 * 512 + 1) * 4 + 128 * 4 + 64 + 256) // 1024) * 1024
-    return stages * (a + b) + epilogue + weight_scales + control + 1024
+    return stages * (a + b) + expanded + epilogue + weight_scales + control + 1024
 
 
 def test_decode_picks_block_m_64_and_prefill_128():
@@ -83,11 +86,14 @@ def test_stages_are_the_most_that_fit(mma_type, num_tokens, max_smem):
 def test_h200_stage_counts():
     # 232448 bytes, FP8: block_m 64 -> 5 x (40960 + 256) + 17408 + 2048 + 5120 + 1024 = 231680 fits
     # (6 would not); block_m 128 -> 3 x (49152 + 512) + 34816 + 2048 + 5120 + 1024 = 192000 (4 would need 241664).
-    # FP8 x FP4 stages hold 16 KB more (the packed tile): 3 and 2 stages.
+    # FP8 x FP4 stages hold the packed tile (16 KB + 1 KB of deltas instead of 32 KB) and one 32 KB
+    # expanded tile is fixed: block_m 64 -> 6 x (8448 + 17408) + 32768 + 17408 + 2048 + 5120 + 1024 =
+    # 213504 (7 would need 239360); block_m 128 -> 4 x (16896 + 17408) + 32768 + 34816 + 2048 + 5120 +
+    # 1024 = 212992 (5 would need 247296).
     for mma_type in MMA_TYPES:
         fp4 = mma_type == 'fp8xfp4'
-        assert config(mma_type, num_tokens=1)['num_stages'] == (3 if fp4 else 5)
-        assert config(mma_type, num_tokens=8192)['num_stages'] == (2 if fp4 else 3)
+        assert config(mma_type, num_tokens=1)['num_stages'] == (6 if fp4 else 5)
+        assert config(mma_type, num_tokens=8192)['num_stages'] == (4 if fp4 else 3)
 
 
 def test_stages_are_capped_at_8():
@@ -136,7 +142,7 @@ def test_invalid_mma_type_raises():
 
 def test_description_is_printable():
     text = config(num_tokens=1)['description']
-    assert text.startswith('MegaMoEConfig(') and 'block_m=64' in text and 'num_stages=3' in text
+    assert text.startswith('MegaMoEConfig(') and 'block_m=64' in text and 'num_stages=6' in text
 
 
 _PRINT_SCRIPT = """

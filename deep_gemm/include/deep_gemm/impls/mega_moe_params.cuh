@@ -37,15 +37,15 @@ constexpr int kMegaMoENumMathWarpgroups = 2;
 constexpr int kMegaMoEEpilogueRowBytes = kMegaMoEBlockNL2 * 2 + 16;  // BF16 row + 16 B pad (bank spread)
 
 DG_HOST_DEVICE constexpr int mega_moe_block_k(MmaType t) { return 128 / activation_bytes(t); }
-// FP8 x FP4: the packed E2M1 B tile (256 rows x 64 bytes per 128-wide K-block) is staged next to the
-// expanded E4M3 tile the wgmma reads
+// FP8 x FP4: a stage holds the packed E2M1 B tile (256 rows x 64 bytes per 128-wide K-block); the
+// math warpgroups expand it into one E4M3 tile outside the stages (the wgmma of a K-block completes
+// before the next K-block is expanded), so a stage is 16 KB smaller than with FP8 weights
 constexpr int kMegaMoEPackedRowBytes = 64;
-DG_HOST_DEVICE constexpr int mega_moe_packed_b_bytes(MmaType t) {
-    return t == MmaType::kFP8xFP4 ? kMegaMoEBlockNL1 * kMegaMoEPackedRowBytes : 0;
+DG_HOST_DEVICE constexpr int mega_moe_stage_b_bytes(MmaType t) {
+    return t == MmaType::kFP8xFP4 ? kMegaMoEBlockNL1 * kMegaMoEPackedRowBytes : kMegaMoEBlockNL1 * 128;
 }
-DG_HOST_DEVICE constexpr int mega_moe_stage_bytes(MmaType t, int block_m) {
-    return block_m * 128 + kMegaMoEBlockNL1 * 128 + mega_moe_packed_b_bytes(t);
-}
+DG_HOST_DEVICE constexpr int mega_moe_expanded_b_bytes(MmaType t) { return t == MmaType::kFP8xFP4 ? kMegaMoEBlockNL1 * 128 : 0; }
+DG_HOST_DEVICE constexpr int mega_moe_stage_bytes(MmaType t, int block_m) { return block_m * 128 + mega_moe_stage_b_bytes(t); }
 DG_HOST_DEVICE constexpr int mega_moe_epilogue_bytes(int block_m) { return block_m * kMegaMoEEpilogueRowBytes; }
 // Per stage, next to the tiles: the M-block's activation scales for the K-block (FP8 activations,
 // block_m floats) and the B tile's exponent deltas (FP8 x FP4, 256 rows x 4 groups), both brought
@@ -78,7 +78,7 @@ static_assert(kMaxRanks <= (1 << (32 - kPullTokenBits)), "a rank index fits the 
 DG_HOST_DEVICE constexpr int mega_moe_smem_bytes(MmaType t, int block_m, int num_stages) {
     // +1024: the dynamic shared-memory base is re-aligned to 1024 B for the swizzled tiles
     return num_stages * (mega_moe_stage_bytes(t, block_m) + mega_moe_stage_extra_bytes(t, block_m)) +
-           mega_moe_epilogue_bytes(block_m) + mega_moe_weight_sf_bytes(t, block_m) +
+           mega_moe_expanded_b_bytes(t) + mega_moe_epilogue_bytes(block_m) + mega_moe_weight_sf_bytes(t, block_m) +
            mega_moe_control_smem_bytes(num_stages) + 1024;
 }
 

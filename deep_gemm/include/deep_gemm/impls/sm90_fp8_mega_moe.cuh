@@ -130,13 +130,14 @@ struct Kernel {
     static constexpr int kNumMathThreads = 128 * kNumMathWGs;
     static constexpr int kKStepsPerStage = 128 / mma::kWgmmaKBytes;
     static constexpr int kNumRingConsumers = kNumDispatchThreads + 128 * kNumMathWGs;
-    static_assert(kStageBytes == kABytes + kBBytesL1 + mega_moe_packed_b_bytes(kMmaType));
+    static_assert(kStageBytes == kABytes + (kFP4 ? kMegaMoEBlockNL1 * kMegaMoEPackedRowBytes : kBBytesL1));
     static_assert(kNumMathWGs * 128 * kMathRegisters + 128 * kProducerRegisters <= 65536, "register file");
 
     // ------------------------------------------------------------------------------------------
     // Shared memory carve-up (sizes from mega_moe_params.cuh, which the host also uses)
     struct Smem {
-        uint8_t* stages;          // [kNumStages][A tile | B tile]
+        uint8_t* stages;          // [kNumStages][A tile | B tile (FP8 x FP4: packed E2M1)]
+        uint8_t* expanded_b;      // FP8 x FP4: the E4M3 B tile the wgmma reads, expanded from a stage
         uint8_t* epilogue;
         uint8_t* extras;          // [kNumStages][A scales | FP4 deltas]
         float* weight_sf;         // [math warpgroup][gate K-blocks | up K-blocks] of the current task
@@ -153,7 +154,8 @@ struct Kernel {
 
         __device__ explicit Smem(uint8_t* base) {
             stages = base;
-            epilogue = base + kNumStages * kStageBytes;
+            expanded_b = base + kNumStages * kStageBytes;     // stage sizes are multiples of 1024
+            epilogue = expanded_b + mega_moe_expanded_b_bytes(kMmaType);
             extras = epilogue + mega_moe_epilogue_bytes(BLOCK_M);
             weight_sf = reinterpret_cast<float*>(extras + kNumStages * kStageExtraBytes);
             auto* c = reinterpret_cast<uint8_t*>(weight_sf) + mega_moe_weight_sf_bytes(kMmaType, BLOCK_M);
@@ -171,7 +173,8 @@ struct Kernel {
         // Stage addresses are computed, not stored: an array indexed by a run-time stage would live in local memory
         __device__ uint8_t* stage_a(int s) const { return stages + s * kStageBytes; }
         __device__ uint8_t* stage_b(int s) const { return stages + s * kStageBytes + kABytes; }
-        __device__ uint8_t* stage_packed_b(int s) const { return stages + s * kStageBytes + kABytes + kBBytesL1; }
+        // The B tile the wgmma of stage s reads
+        __device__ uint8_t* mma_b(int s) const { return kFP4 ? expanded_b : stage_b(s); }
         __device__ float* stage_sf(int s) const { return reinterpret_cast<float*>(extras + s * kStageExtraBytes); }
         __device__ uint8_t* stage_deltas(int s) const { return extras + s * kStageExtraBytes + kStageSfBytes; }
     };
@@ -573,7 +576,7 @@ struct Kernel {
                 mbarrier_expect_tx(sm.full + s, stage_bytes);
                 const int kb = static_cast<int>(it - stage_iter);
                 if constexpr (kFP4) {
-                    tma_load_2d(sm.stage_packed_b(s), tm_w, sm.full + s, kb * kMegaMoEPackedRowBytes, b_row0);
+                    tma_load_2d(sm.stage_b(s), tm_w, sm.full + s, kb * kMegaMoEPackedRowBytes, b_row0);
                     for (int rb = 0; rb < b_rows / 128; ++rb)
                         bulk_load(sm.stage_deltas(s) + rb * kMegaMoEDeltaBlockBytes,
                                   deltas + (static_cast<int64_t>(rb) * num_kb + kb) * kMegaMoEDeltaBlockBytes, kMegaMoEDeltaBlockBytes, sm.full + s);
@@ -711,46 +714,49 @@ struct Kernel {
         if (mt.lane == 0) mbarrier_arrive(sm.empty + stage_iter % kNumStages);
     }
 
-    // FP8 x FP4: expand the stage's packed E2M1 B tile into E4M3, written in the 128B-swizzled
-    // K-major layout that TMA would have produced, so the FP8 wgmma path runs unchanged. Code c of a
-    // 32-wide group with exponent delta d becomes fp4_table[d][c] = RNE_e4m3(e2m1(c) * 2^(6 - d));
-    // the rest of the scale (2^(base - 133)) is the FP32 block scale applied at promotion.
-    // Unrolled with every load of a thread issued first: the loop is latency-bound otherwise.
+    // FP8 x FP4: expand the stage's packed E2M1 B tile into the E4M3 tile the wgmma reads
+    // (sm.expanded_b, one for all stages: every math thread passes the next stage's wait barrier
+    // only after its wgmma on this tile completed), in the 128B-swizzled K-major layout that TMA
+    // would have produced, so the FP8 wgmma path runs unchanged. Code c of a 32-wide group with
+    // exponent delta d becomes RNE_e4m3(e2m1(c) * 2^(6 - d)): the magnitude fp4_table[d][c & 7] with
+    // c's sign bit as bit 7 (E4M3 is sign-magnitude); the rest of the scale (2^(base - 133)) is the
+    // FP32 block scale applied at promotion.
+    // Thread t expands the 16-element chunk t % 8 of rows t / 8 + 32 u, so every shared address is
+    // a per-thread base plus a constant; all loads are issued before the first use.
     template <int kRows>
     __device__ void expand_fp4_tile(int s) {
-        constexpr int kPerThread = kRows * 8 / kNumMathThreads;    // 16 E4M3 outputs = 8 packed bytes per chunk
-        static_assert(kRows * 8 % kNumMathThreads == 0);
-        const uint8_t* packed = sm.stage_packed_b(s);
-        const uint8_t* deltas = sm.stage_deltas(s);      // [row block][128 rows][4 groups]
-        uint8_t* tile = sm.stage_b(s);
-        const int math_thread = static_cast<int>(threadIdx.x) - 128;
-        uint2 q[kPerThread];
-        int d[kPerThread];
+        constexpr int kPerThread = kRows / 32;
+        static_assert(kNumMathThreads == 256 and kRows % 128 == 0, "32 rows x 8 chunks per pass, whole delta blocks");
+        const int t = static_cast<int>(threadIdx.x) - 128, chunk = t & 7, r0 = t >> 3;
+        // [row][64 bytes]; deltas [row block][128 rows][4 groups], so row r0 + 32 u is 128 u bytes on
+        // from row r0; output [8-row atom][8 rows][8 chunks of 16 bytes, chunk XOR row], 4096 bytes per 32 rows
+        const uint32_t packed = smem_addr(sm.stage_b(s)) + r0 * kMegaMoEPackedRowBytes + chunk * 8;
+        const uint32_t deltas = smem_addr(sm.stage_deltas(s)) + r0 * 4 + (chunk >> 1);
+        const uint32_t table = smem_addr(sm.fp4_table);
+        const uint32_t out = smem_addr(sm.expanded_b) + (r0 >> 3) * 1024 + (r0 & 7) * 128 + ((chunk ^ (r0 & 7)) << 4);
+        uint2 q[kPerThread], mag[kPerThread];
         #pragma unroll
         for (int u = 0; u < kPerThread; ++u) {
-            const int c = math_thread + u * kNumMathThreads, r = c >> 3, chunk = c & 7;
-            q[u] = *reinterpret_cast<const uint2*>(packed + r * kMegaMoEPackedRowBytes + chunk * 8);
+            q[u] = ld_shared_v2(packed + u * 32 * kMegaMoEPackedRowBytes);
             // Weights are host data: mask the delta so a corrupted byte cannot index past the table
-            d[u] = deltas[(r >> 7) * kMegaMoEDeltaBlockBytes + (r & 127) * 4 + (chunk >> 1)] & 15;
+            mag[u].x = ld_shared_u8(deltas + u * 128) & 15;
         }
         #pragma unroll
+        for (int u = 0; u < kPerThread; ++u) mag[u] = ld_shared_v2(table + mag[u].x * 16);   // codes 0..7 of delta d
+        #pragma unroll
         for (int u = 0; u < kPerThread; ++u) {
-            const int c = math_thread + u * kNumMathThreads, r = c >> 3, chunk = c & 7;
-            // E4M3 is sign-magnitude: the 8 magnitudes of this delta (one 8-byte row of the table)
-            // go through PRMT, 4 codes per instruction, and the code's sign bit is moved to bit 7
-            const uint2 mag = *reinterpret_cast<const uint2*>(sm.fp4_table + d[u] * 16);
-            uint32_t out[4];
+            uint32_t o[4];
             #pragma unroll
-            for (int w = 0; w < 4; ++w) {
-                const uint32_t codes = (w < 2 ? q[u].x : q[u].y) >> ((w & 1) * 16);   // 4 nibbles, element order
-                uint32_t sign = codes & 0x8888u;                                        // nibble bit 3 -> byte bit 7
-                sign = (sign | (sign << 8)) & 0x00880088u;
-                sign = (sign | (sign << 4)) & 0x08080808u;
-                out[w] = __byte_perm(mag.x, mag.y, codes & 0x7777u) | (sign << 4);
+            for (int w = 0; w < 2; ++w) {
+                const uint32_t codes = w == 0 ? q[u].x : q[u].y;   // 8 nibbles, element order
+                const uint32_t m = codes & 0x77777777u;
+                // magnitudes by the 3 low bits; the sign by prmt's sign-replicate mode on bytes 0x80:
+                // 0x80 for a positive code, 0xFF for a negative one, whose bit 6 shifted to bit 7 is the sign
+                const uint32_t sgn_lo = prmt(0x80808080u, 0x80808080u, codes), sgn_hi = prmt(0x80808080u, 0x80808080u, codes >> 16);
+                o[2 * w] = prmt(mag[u].x, mag[u].y, m) | ((sgn_lo << 1) & 0x80808080u);
+                o[2 * w + 1] = prmt(mag[u].x, mag[u].y, m >> 16) | ((sgn_hi << 1) & 0x80808080u);
             }
-            // 128B swizzle: the 16-byte chunk index is XORed with the row inside its 8-row atom
-            *reinterpret_cast<uint4*>(tile + (r >> 3) * 1024 + (r & 7) * 128 + ((chunk ^ (r & 7)) << 4)) =
-                make_uint4(out[0], out[1], out[2], out[3]);
+            st_shared_v4(out + u * 4096, o[0], o[1], o[2], o[3]);
         }
         // The wgmma (async proxy) reads what these generic stores wrote; every math warpgroup
         // reads the whole tile, so all of them must be done expanding
@@ -799,8 +805,8 @@ struct Kernel {
                 const float sa0 = sm.stage_sf(s)[mt.row_in_tile(0)], sa1 = sm.stage_sf(s)[mt.row_in_tile(1)];
                 const float sg = b_sf[kb], su = b_sf[num_kb + kb];
                 const uint64_t da = mma::make_k_major_sw128_desc(sm.stage_a(s) + a_offset);
-                const uint64_t dg = mma::make_k_major_sw128_desc(sm.stage_b(s) + gate_offset);
-                const uint64_t du = mma::make_k_major_sw128_desc(sm.stage_b(s) + up_offset);
+                const uint64_t dg = mma::make_k_major_sw128_desc(sm.mma_b(s) + gate_offset);
+                const uint64_t du = mma::make_k_major_sw128_desc(sm.mma_b(s) + up_offset);
                 if constexpr (kSplitN) {
                     // gate and up of 64 columns each: both issued, one wait
                     float part_g[32], part_u[32];
@@ -854,8 +860,8 @@ struct Kernel {
                 if (not wait_full(stage_iter, mt)) return false;
                 const int s = stage_iter % kNumStages;
                 const uint64_t da = mma::make_k_major_sw128_desc(sm.stage_a(s) + a_offset);
-                const uint64_t dg = mma::make_k_major_sw128_desc(sm.stage_b(s) + gate_offset);
-                const uint64_t du = mma::make_k_major_sw128_desc(sm.stage_b(s) + up_offset);
+                const uint64_t dg = mma::make_k_major_sw128_desc(sm.mma_b(s) + gate_offset);
+                const uint64_t du = mma::make_k_major_sw128_desc(sm.mma_b(s) + up_offset);
                 mma::fence_operands(acc);
                 mma::warpgroup_arrive();
                 if constexpr (kSplitN) {
@@ -899,7 +905,7 @@ struct Kernel {
                 const float sb = b_sf[kb];
                 const float s0 = sm.stage_sf(s)[mt.row_in_tile(0)] * sb, s1 = sm.stage_sf(s)[mt.row_in_tile(1)] * sb;
                 const uint64_t da = mma::make_k_major_sw128_desc(sm.stage_a(s) + a_offset);
-                const uint64_t db = mma::make_k_major_sw128_desc(sm.stage_b(s) + b_offset);
+                const uint64_t db = mma::make_k_major_sw128_desc(sm.mma_b(s) + b_offset);
                 mma::fence_operands(part);
                 mma::warpgroup_arrive();
                 #pragma unroll
@@ -917,7 +923,7 @@ struct Kernel {
                 if (not wait_full(stage_iter, mt)) return false;
                 const int s = stage_iter % kNumStages;
                 const uint64_t da = mma::make_k_major_sw128_desc(sm.stage_a(s) + a_offset);
-                const uint64_t db = mma::make_k_major_sw128_desc(sm.stage_b(s) + b_offset);
+                const uint64_t db = mma::make_k_major_sw128_desc(sm.mma_b(s) + b_offset);
                 mma::fence_operands(acc);
                 mma::warpgroup_arrive();
                 #pragma unroll

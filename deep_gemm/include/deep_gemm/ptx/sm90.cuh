@@ -177,4 +177,29 @@ __device__ __forceinline__ int4 ld_global_relaxed(const int4* p) {
     return v;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Shared-window accesses by 32-bit address (the compiler cannot always tell that a pointer into
+// dynamic shared memory is one, and then emits generic 64-bit loads with their address math)
+__device__ __forceinline__ uint2 ld_shared_v2(uint32_t addr) {
+    uint2 v;
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(addr) : "memory");
+    return v;
+}
+__device__ __forceinline__ uint32_t ld_shared_u8(uint32_t addr) {
+    uint32_t v;
+    asm volatile("ld.shared.u8 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
+    return v;
+}
+__device__ __forceinline__ void st_shared_v4(uint32_t addr, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" :: "r"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+}
+// prmt.b32 in its default mode: byte i of the result is byte (sel nibble i & 7) of {b, a}, or, when
+// bit 3 of that nibble is set, that byte's bit 7 copied into all 8 bits (CUDA's __byte_perm
+// documents only the low 3 bits of each nibble)
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+    uint32_t d;
+    asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+    return d;
+}
+
 }  // namespace deep_gemm::ptx
