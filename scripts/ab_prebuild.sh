@@ -1,12 +1,24 @@
 #!/usr/bin/env bash
-# Compile the kernels of every ab/<name>.cuh variant into .jit_cache, each from a copy of the
-# package as scripts/ab_run.sh makes on the device (the cache key hashes the headers, not paths).
+# Compile the kernels of every variant of scripts/ab_run.sh into .jit_cache, each from the package
+# the device will run it with (the cache key hashes the headers, not paths):
+#   ab/<name>.cuh: a copy of the working tree's package with that kernel header;
+#   ab/<name>/: that source tree, its _C built here first (its heuristics pick the kernels).
 #   bash scripts/ab_prebuild.sh fp8xfp8 bf16xbf16
 set -euo pipefail
+prebuild() {   # package dir, label, formats...
+    local d=$1 label=$2; shift 2
+    grep -v '^sys.path.insert' scripts/prebuild_kernels.py > "$d"/prebuild.py
+    echo "$label: $(DG_JIT_CACHE_DIR=$PWD/.jit_cache PYTHONPATH=$d python "$d"/prebuild.py "$@" | grep -c -- '->') kernels"
+}
 for v in ab/*.cuh; do
+    [ -e "$v" ] || continue
     d=/tmp/ab_$(basename "$v" .cuh)
     rm -rf "$d" && mkdir -p "$d" && cp -r deep_gemm "$d"/ && rm -rf "$d"/deep_gemm/__pycache__
     cp "$v" "$d"/deep_gemm/include/deep_gemm/impls/sm90_fp8_mega_moe.cuh
-    grep -v '^sys.path.insert' scripts/prebuild_kernels.py > "$d"/prebuild.py
-    echo "$v: $(DG_JIT_CACHE_DIR=$PWD/.jit_cache PYTHONPATH=$d python "$d"/prebuild.py "$@" | grep -c -- '->') kernels"
+    prebuild "$d" "$v" "$@"
+done
+for v in ab/*/; do
+    [ -f "$v/setup.py" ] || continue
+    (cd "$v" && python setup.py build_ext --inplace -q > /dev/null)
+    prebuild "$v" "$v" "$@"
 done

@@ -2,7 +2,10 @@
 # A/B timing of kernel variants in ONE device call (every call gets a fresh machine, and H200s
 # differ by a few percent, so numbers from separate calls do not compare).
 #
-#   A = the working tree; each ab/<name>.cuh = a variant of impls/sm90_fp8_mega_moe.cuh
+#   A = the working tree. A variant is either
+#     ab/<name>.cuh  a copy of impls/sm90_fp8_mega_moe.cuh, run with the working tree's package, or
+#     ab/<name>/     a whole source tree (`git archive <commit> | tar -x -C ab/<name>`): its own _C is
+#                    built here, for variants that change headers or heuristics too
 #   bash scripts/ab_prebuild.sh fp8xfp8 bf16xbf16             # on the CPU machine: every variant's cubins
 #   run(command="AB_TESTS='tests/test_mega_moe_gpu.py' bash scripts/ab_run.sh fp8xfp8 2048 768 128 8 1 ...",
 #       carry=[".whl", ".jit_cache", "ab"])
@@ -14,15 +17,29 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 bash scripts/device_run.sh ${AB_TESTS:-tests/test_layout.py} | tail -3
 export DG_JIT_CACHE_DIR=$PWD/.jit_cache
-VARIANTS=$(ls ab/*.cuh 2>/dev/null)
-for v in $VARIANTS; do
+if [ -x /usr/bin/g++ ]; then    # as scripts/device_run.sh
+    export CC=/usr/bin/gcc CXX=/usr/bin/g++ LDSHARED="/usr/bin/g++ -shared"
+else
+    export DG_STATIC_LIBSTDCXX=1
+fi
+VARIANTS=""
+for v in ab/*.cuh; do
+    [ -e "$v" ] || continue
     d=/tmp/ab_$(basename "$v" .cuh)
     rm -rf "$d" && mkdir -p "$d" && cp -r deep_gemm "$d"/ && cp "$v" "$d"/deep_gemm/include/deep_gemm/impls/sm90_fp8_mega_moe.cuh
+    VARIANTS="$VARIANTS $d"
+done
+for v in ab/*/; do
+    [ -f "$v/setup.py" ] || continue
+    d=/tmp/ab_$(basename "$v")
+    rm -rf "$d" && cp -r "$v" "$d"
+    (cd "$d" && PYTHONPATH=/tmp/site python3 setup.py build_ext --inplace -q --force > build.log 2>&1) || { echo "build of $v failed"; tail -20 "$d/build.log"; }
+    VARIANTS="$VARIANTS $d"
 done
 PYTHONPATH=/tmp/site:$PWD python3 -c "from scripts.trace import warm_up_gpu; warm_up_gpu()"
 for _ in 1 2; do
     PYTHONPATH=/tmp/site:$PWD python3 scripts/time_fused.py "$@" 2>&1 | tee -a "$OUT/ab.log"
-    for v in $VARIANTS; do
-        PYTHONPATH=/tmp/site:/tmp/ab_$(basename "$v" .cuh) python3 scripts/time_fused.py "$@" 2>&1 | tee -a "$OUT/ab.log"
+    for d in $VARIANTS; do
+        PYTHONPATH=/tmp/site:$d python3 scripts/time_fused.py "$@" 2>&1 | tee -a "$OUT/ab.log"
     done
 done
