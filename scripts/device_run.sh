@@ -31,18 +31,20 @@ echo "tests took $(( $(date +%s) - start )) s, exit $status"
 if [ "${DG_RUN_SANITIZER:-0}" = "1" ]; then
     # memcheck: a normal call and one with out-of-range expert ids; racecheck: shared memory races
     # (one log file: the device returns at most 8 files)
-    for args in "" "--bad-ids" "--ranks 2"; do
+    for args in "" "--bad-ids" "--ranks 2" "--format fp8xfp4"; do
         timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/one_launch.py $args > /tmp/san.log 2>&1
         rc=$?
         { echo "=== memcheck [$args]: exit $rc"; cat /tmp/san.log; } >> "$OUT/sanitizer.log"
         echo "memcheck [$args]: exit $rc $(grep -E 'ERROR SUMMARY|calc_diff' /tmp/san.log | tr '\n' ' ')"
         [ $rc = 0 ] || grep -m 40 -E '=========' /tmp/san.log
     done
-    timeout 300 compute-sanitizer --tool racecheck --error-exitcode 9 python3 scripts/one_launch.py --sms 2 > /tmp/san.log 2>&1
-    rc=$?
-    { echo "=== racecheck: exit $rc"; cat /tmp/san.log; } >> "$OUT/sanitizer.log"
-    echo "racecheck: exit $rc $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY|calc_diff' /tmp/san.log | tr '\n' ' ')"
-    [ $rc = 0 ] || grep -m 40 -E '=========' /tmp/san.log
+    for fmt in fp8xfp8 fp8xfp4; do
+        timeout 300 compute-sanitizer --tool racecheck --error-exitcode 9 python3 scripts/one_launch.py --sms 2 --format $fmt > /tmp/san.log 2>&1
+        rc=$?
+        { echo "=== racecheck $fmt: exit $rc"; cat /tmp/san.log; } >> "$OUT/sanitizer.log"
+        echo "racecheck $fmt: exit $rc $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY|calc_diff' /tmp/san.log | tr '\n' ' ')"
+        [ $rc = 0 ] || grep -m 12 -E '=========' /tmp/san.log
+    done
     # The tool's own model of two correct patterns the kernel uses (scripts/racecheck_probe.cu)
     if nvcc -arch=sm_90a -o /tmp/racecheck_probe scripts/racecheck_probe.cu > /dev/null 2>&1; then
         for probe in exchange bulk; do
