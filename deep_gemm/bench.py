@@ -285,7 +285,8 @@ def bench_row(mma_type: str, shape: MoEShape, n: int, ep: int, weights, buffers,
         fields.update(baseline=baseline.describe(), baseline_us=timing.us, baseline_timing=timing.how)
         if fused is not None:
             fields['diff'] = diff = calc_diff(fused.float(), timing.output.float())
-            if not diff < DIFF_WARNING:
+            if not diff < DIFF_WARNING:   # a wrong answer fails the run (its timing means nothing)
+                fields['status'] = 'mismatch'
                 notes.append(f'CHECK: fused and baseline outputs disagree (calc_diff {diff:.1e})')
     except Exception as e:  # noqa: BLE001
         notes.append(f'baseline: {_error_text(e)}')
@@ -497,7 +498,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f'# wrote {args.plot}')
         elif mode != 'gpu':
             print(f'# no GPU rows: no plot written to {args.plot}')
-    failed = [r for r in rows if r['status'] == 'error']
+    failed = [r for r in rows if r['status'] in ('error', 'mismatch')]
+    if failed:
+        print(f'# {len(failed)} row(s) failed: ' + ', '.join(f"{r['format']} {r['shape']} n={r['n']} ({r['status']})" for r in failed))
     return 1 if failed else 0
 
 

@@ -311,11 +311,10 @@ def test_not_built_formats_become_rows(monkeypatch):
     assert 'issue 4' in rows[0]['note']
 
 
-@pytest.mark.parametrize('mma_type', ['bf16xbf16', 'fp8xfp8'])
-@pytest.mark.parametrize('ep', [1, 2])
-def test_sweep_plumbing_with_cpu_stand_ins(monkeypatch, mma_type, ep):
+def _cpu_sweep(monkeypatch, mma_type, ep, corrupt=None):
     # The GPU sweep (weights, virtual-rank buffers, staging, fused + baseline timing, row metrics) run on
-    # the CPU: the kernel is replaced by the emulating reference and CUDA timing by a fixed number.
+    # the CPU: the kernel is replaced by the emulating reference (through `corrupt`, if given) and
+    # CUDA timing by a fixed number. Returns the rows and the launches the stand-in saw.
     from deep_gemm.mega import api
     from deep_gemm.testing import virtual_ranks
 
@@ -324,8 +323,9 @@ def test_sweep_plumbing_with_cpu_stand_ins(monkeypatch, mma_type, ep):
     monkeypatch.setattr(moe_case, 'make_inputs', lambda *a, device, **k: make_inputs(*a, device='cpu', **k))
     monkeypatch.setattr(moe_case, 'make_buffers', lambda t, r, e, n, k, h, i: virtual_ranks.make_virtual_ranks(
         r, e, n, k, h, i, t, device='cpu'))
+    corrupt = corrupt or (lambda y: y)
     monkeypatch.setattr(moe_case, 'run_ranks', lambda weights, inputs, buffers, streams: [
-        moe_case.reference(weights, inp).bfloat16() for inp in inputs])
+        corrupt(moe_case.reference(weights, inp).bfloat16()) for inp in inputs])
     launches = []
     monkeypatch.setattr(api, 'bf16_mega_moe', lambda *a: launches.append(a))
     monkeypatch.setattr(api, 'fp8_mega_moe', lambda *a: launches.append(a))
@@ -348,7 +348,13 @@ def test_sweep_plumbing_with_cpu_stand_ins(monkeypatch, mma_type, ep):
     monkeypatch.setattr(torch.cuda, 'empty_cache', lambda: None)
 
     shape = bu.MoEShape('tiny', 256, 128, 8, 2)
-    rows = bench.bench_format_shape(mma_type, shape, [1, 16], ep, 3, None)
+    return bench.bench_format_shape(mma_type, shape, [1, 16], ep, 3, None), launches
+
+
+@pytest.mark.parametrize('mma_type', ['bf16xbf16', 'fp8xfp8'])
+@pytest.mark.parametrize('ep', [1, 2])
+def test_sweep_plumbing_with_cpu_stand_ins(monkeypatch, mma_type, ep):
+    rows, launches = _cpu_sweep(monkeypatch, mma_type, ep)
     assert [(r['n'], r['tokens'], r['status']) for r in rows] == [(1, ep, 'ok'), (16, 16 * ep, 'ok')]
     assert len(launches) == 2 * ep   # one launch per rank per row (the timing stand-in calls it once)
     for row in rows:
@@ -359,6 +365,22 @@ def test_sweep_plumbing_with_cpu_stand_ins(monkeypatch, mma_type, ep):
         assert row['diff'] < 1e-3
         assert 0 < row['experts_touched'] <= 8 and 0 < row['routed_pairs'] <= 2 * row['tokens']
         assert row['pct_roofline'] == pytest.approx(100 * row['roofline_us'] / 10.0)
+
+
+def test_wrong_fused_output_fails_the_row_and_the_run(monkeypatch, capsys):
+    # A kernel that answers wrongly (here: the reference with its sign flipped in every other column)
+    # must not read as a timing: the row's status is 'mismatch' and main() exits 1 naming it
+    def corrupt(y):
+        y = y.clone()
+        y[:, ::2] = -y[:, ::2]
+        return y
+    rows, _ = _cpu_sweep(monkeypatch, 'fp8xfp8', 1, corrupt)
+    assert [r['status'] for r in rows] == ['mismatch', 'mismatch']
+    assert all(r['diff'] > bench.DIFF_WARNING and 'CHECK' in r['note'] for r in rows)
+    monkeypatch.setattr(bench, 'sm90_status', lambda: None)
+    monkeypatch.setattr(bench, 'run_gpu', lambda args: rows)
+    assert bench.main(['--quick']) == 1
+    assert '2 row(s) failed: fp8xfp8 tiny n=1 (mismatch), fp8xfp8 tiny n=16 (mismatch)' in capsys.readouterr().out
 
 
 # --------------------------------------------------------------------------------------------------
