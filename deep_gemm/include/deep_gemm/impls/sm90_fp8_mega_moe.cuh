@@ -60,7 +60,10 @@ struct SharedControl {
     int is_last_cta;
     int num_mblocks;
     uint32_t epoch;
+    unsigned long long trace_first;   // trace slots stamped so far (first-only stamps, scripts/trace.py)
 };
+static_assert(sizeof(SharedControl) <= 64, "the 64 bytes of scalars in mega_moe_control_smem_bytes");
+static_assert(kTraceSlots <= 64, "one bit of SharedControl::trace_first per trace slot");
 
 // Record the first error of the call (own buffer + host mirror); fatal ones also stop every CTA
 __device__ __forceinline__ void report(const MegaMoEParams& p, StatusCode code, Phase phase, uint32_t rank,
@@ -201,10 +204,12 @@ struct Kernel {
     template <typename T>
     __device__ T* peer(int rank, const L::Section& s) const { return lay.get_ptr<T>(p.buffers[rank], s); }
 
+    // A first-only stamp is decided in shared memory: a global read of the stamp would put an L2
+    // round trip (~0.5 us) in front of every stamp and distort the timeline it records
     __device__ void trace(int slot, bool first_only = false) const {
         if (p.trace == nullptr) return;
-        uint64_t* stamp = p.trace + blockIdx.x * kTraceSlots + slot;
-        if (not first_only or *stamp == 0) *stamp = globaltimer_ns();
+        if (first_only and (atomicOr(&sm.ctrl->trace_first, 1ull << slot) >> slot & 1)) return;
+        p.trace[blockIdx.x * kTraceSlots + slot] = globaltimer_ns();
     }
 
     __device__ int expert_of_mblock(int m) const {
@@ -1132,6 +1137,7 @@ struct Kernel {
             ctrl->abort = 0;
             ctrl->is_last_cta = 0;
             ctrl->num_mblocks = 0;
+            ctrl->trace_first = 0;
         }
         if constexpr (kFP4) {
             // fp4_table[d][c] = RNE_e4m3(e2m1(c) * 2^(6 - d)), the rule of transform_weights_for_mega_moe
