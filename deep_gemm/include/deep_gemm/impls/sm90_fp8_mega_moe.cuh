@@ -173,6 +173,12 @@ struct Kernel {
             ctrl = reinterpret_cast<SharedControl*>(align_up<uintptr_t>(reinterpret_cast<uintptr_t>(pull_rows + L::kMaxBlockM), 16));
             fp4_table = reinterpret_cast<uint8_t*>(align_up<uintptr_t>(reinterpret_cast<uintptr_t>(ctrl + 1), 16));
         }
+        // The control block as carved above (its start is 16-aligned), padding included, against
+        // the budget the host allocates (mega_moe_control_smem_bytes)
+        static constexpr int kControlBytesUsed =
+            align_up(align_up(kNumStages * 16 + kMegaMoETaskRing * 20 + (2 * kMegaMoEMaxLocalExperts + 1) * 4 + L::kMaxBlockM * 4, 16) +
+                     static_cast<int>(sizeof(SharedControl)), 16) + 256;
+        static_assert(kControlBytesUsed <= mega_moe_control_smem_bytes(kNumStages), "control block outgrew its budget");
         // Stage addresses are computed, not stored: an array indexed by a run-time stage would live in local memory
         __device__ uint8_t* stage_a(int s) const { return stages + s * kStageBytes; }
         __device__ uint8_t* stage_b(int s) const { return stages + s * kStageBytes + kABytes; }
