@@ -17,11 +17,7 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 bash scripts/device_run.sh ${AB_TESTS:-tests/test_layout.py} | tail -3
 export DG_JIT_CACHE_DIR=$PWD/.jit_cache
-if [ -x /usr/bin/g++ ]; then    # as scripts/device_run.sh
-    export CC=/usr/bin/gcc CXX=/usr/bin/g++ LDSHARED="/usr/bin/g++ -shared"
-else
-    export DG_STATIC_LIBSTDCXX=1
-fi
+source scripts/device_compiler.sh
 VARIANTS=""
 for v in ab/*.cuh; do
     [ -e "$v" ] || continue

@@ -16,13 +16,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
     > /tmp/pip.log 2>&1 || { cat /tmp/pip.log; exit 1; }
 export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
-# Build _C with the compiler that matches the libstdc++ Python loads (the image's default g++ is
-# newer than it, and inlined iostream code then crashes against the older runtime's locale)
-if [ -x /usr/bin/g++ ]; then
-    export CC=/usr/bin/gcc CXX=/usr/bin/g++ LDSHARED="/usr/bin/g++ -shared"
-else
-    export DG_STATIC_LIBSTDCXX=1
-fi
+source scripts/device_compiler.sh
 python3 setup.py build_ext --inplace -q --force > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 start=$(date +%s)
 python3 -m pytest -q -x -p no:cacheprovider --timeout=300 "${@:-tests}" 2>&1 | tee "$OUT/tests.log" | tail -40

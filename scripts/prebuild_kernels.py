@@ -1,7 +1,8 @@
 """Compile every Mega MoE kernel variant the heuristics can pick on an H100/H200, for sm_90a.
 
 Run on the CPU machine before a device call and carry DG_JIT_CACHE_DIR (default ./.jit_cache):
-the cache key holds no machine-specific path, so the device finds these cubins.
+the cache key holds no machine-specific path, so the device finds these cubins. Also compiles the
+input-staging kernels and the helper kernels of tests/test_faults_gpu.py.
 
     DG_JIT_CACHE_DIR=.jit_cache python scripts/prebuild_kernels.py
 """
@@ -17,6 +18,7 @@ from deep_gemm import _C  # noqa: E402
 from deep_gemm.mega.buffer import mma_type_to_int  # noqa: E402
 
 H200_SMEM = 232448
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def variants(formats=('fp8xfp8', 'bf16xbf16')):
@@ -38,3 +40,9 @@ if __name__ == '__main__':
         print(f'{key}: {time.time() - t:.1f} s -> {path}')
     for fp8 in (True, False):
         print(f'stage fp8={fp8}: {_C.compile_mega_moe_stage(fp8)}')
+    # (absent where scripts/ab_prebuild.sh runs a copy of this script for a kernel variant)
+    if os.path.isfile(os.path.join(ROOT, 'tests', 'test_faults_gpu.py')):
+        sys.path.insert(0, os.path.join(ROOT, 'tests'))
+        import test_faults_gpu  # noqa: E402
+        for name in test_faults_gpu.HELPER_KERNELS:
+            print(f'{name}: {test_faults_gpu.compile_helper(name)}')

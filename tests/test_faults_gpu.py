@@ -107,7 +107,7 @@ def test_completes_while_another_stream_holds_half_the_sms():
     w = mc.make_weights(mma_type, hidden, inter, experts, 1, seed=0)
     (buf,) = mc.make_buffers(mma_type, 1, experts, 1024, topk, hidden, inter)
     inp = mc.make_inputs(mma_type, [1024], hidden, experts, topk, seed=4)[0]
-    cubin = _C.compile('test_spin', SPIN_SOURCE)
+    cubin = compile_helper('test_spin')
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     other = torch.cuda.Stream()
     torch.cuda.synchronize()
@@ -137,6 +137,13 @@ extern "C" __global__ void inject(unsigned long long* status, unsigned long long
 '''
 INJECTED_WORD = 1 | (6 << 8) | (0xFFFF << 24) | (0x5AB << 40)    # timeout, pipeline phase, CTA 0xFFFF
 
+# The helper kernels by JIT name (scripts/prebuild_kernels.py compiles them ahead of a device call)
+HELPER_KERNELS = {'test_spin': SPIN_SOURCE, 'test_inject': INJECT_SOURCE}
+
+
+def compile_helper(name):
+    return _C.compile(name, HELPER_KERNELS[name])
+
 
 @pytest.mark.parametrize('n', [128, 4096])       # decode tiles (split columns) and prefill tiles
 @pytest.mark.parametrize('mma_type', ['fp8xfp8', 'fp8xfp4', 'bf16xbf16'])
@@ -148,7 +155,7 @@ def test_abort_in_the_middle_of_a_call_leaves_cleanly(mma_type, n):
     (buf,) = mc.make_buffers(mma_type, 1, experts, n, topk, hidden, inter)
     inp = mc.make_inputs(mma_type, [n], hidden, experts, topk, seed=6)[0]
     fn = mega_moe_function(mma_type)
-    cubin = _C.compile('test_inject', INJECT_SOURCE)
+    cubin = compile_helper('test_inject')
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     status_ptr = buf.workspace.data_ptr() + buf.layout['status'][0]
     other = torch.cuda.Stream()
