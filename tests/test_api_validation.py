@@ -173,10 +173,13 @@ def test_weights_wrong_shape(case):
         return t if isinstance(w, torch.Tensor) else (t, *w[1:])
 
     w1 = first(case.l1)
-    case.reject(ValueError, r'l1_weights.*must have shape \[4, 256', l1_weights=replace_first(case.l1, w1[:-1]))
+    # fp8xfp4 weights are [E, N/128, K/128, 8192] blocks, the others [E, N, K]
+    expected = r'\[4, 2, ' if case.mma_type == 'fp8xfp4' else r'\[4, 256'
+    case.reject(ValueError, r'l1_weights.*must have shape ' + expected, l1_weights=replace_first(case.l1, w1[:-1]))
     w2 = first(case.l2)
     bigger = torch.cat([w2, w2[:1]])
-    case.reject(ValueError, r'l2_weights.*must have shape \[4, 256', l2_weights=replace_first(case.l2, bigger))
+    expected = r'\[4, 2, ' if case.mma_type == 'fp8xfp4' else r'\[4, 256'
+    case.reject(ValueError, r'l2_weights.*must have shape ' + expected, l2_weights=replace_first(case.l2, bigger))
     # l1 and l2 swapped
     case.reject((ValueError, TypeError), 'l1_weights', l1_weights=case.l2, l2_weights=case.l1)
     if case.mma_type != 'bf16xbf16':
@@ -187,7 +190,7 @@ def test_weights_wrong_shape(case):
 
 def test_weights_not_contiguous(case):
     w1 = case.l1 if isinstance(case.l1, torch.Tensor) else case.l1[0]
-    strided = torch.empty(w1.shape[0], w1.shape[2], w1.shape[1], dtype=w1.dtype).transpose(1, 2)
+    strided = torch.empty(*w1.shape[:-2], w1.shape[-1], w1.shape[-2], dtype=w1.dtype).transpose(-1, -2)
     weights = strided if isinstance(case.l1, torch.Tensor) else (strided, *case.l1[1:])
     case.reject(ValueError, 'l1_weights.*must be contiguous', l1_weights=weights)
 

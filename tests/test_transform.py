@@ -155,6 +155,13 @@ def test_expansion_table_exact_up_to_delta_14():
 # MXFP4
 # --------------------------------------------------------------------------------------------------
 
+def unblock_packed(t):
+    # Kernel-format packed codes [E, N/128, K/128, 8192] -> row-major [E, N, K/2], written out here
+    # rather than taken from transform.py
+    e, nb, kb, _ = t.shape
+    return t.reshape(e, nb, kb, 128, 64).permute(0, 1, 3, 2, 4).reshape(e, nb * 128, kb * 64)
+
+
 def fp4_pair(seed=0, **kwargs):
     return random_mxfp4((E, 2 * I, H), seed, **kwargs), random_mxfp4((E, H, I), seed + 100, **kwargs)
 
@@ -166,13 +173,16 @@ def test_fp4_format_and_round_trip():
         t1, t2 = transform_weights_for_mega_moe(l1, l2)
     for t, (w, sf) in ((t1, l1), (t2, l2)):
         assert len(t) == 3
-        assert t[0].dtype == torch.uint8 and t[0].shape == w.shape
         n, k = w.shape[1], w.shape[2] * 2
+        assert t[0].dtype == torch.uint8 and t[0].shape == (E, n // 128, k // 128, 8192)
         assert t[1].dtype == torch.uint8 and t[1].shape == (E, n // 128, k // 128, 512) and int(t[1].max()) <= 14
         assert t[2].dtype == torch.float32 and t[2].shape == (E, n // 128, k // 128)
         assert all(x.is_contiguous() for x in t)
-    assert_interleaved(l1[0], t1[0], 128)
-    assert_same(t2[0], l2[0])
+    # Packed codes: byte r * 64 + j of block (e, nb, kb) is byte kb * 64 + j of row nb * 128 + r
+    assert t2[0][1, 2, 1, 5 * 64 + 7] == l2[0][1, 2 * 128 + 5, 64 + 7]
+    assert t2[0][0, 0, 1, 127 * 64 + 63] == l2[0][0, 127, 64 + 63]
+    assert_interleaved(l1[0], unblock_packed(t1[0]), 128)
+    assert_same(unblock_packed(t2[0]), l2[0])
     r1, r2 = inverse_transform_weights_for_mega_moe(t1, t2)
     assert_same(r1, l1)
     assert_same(r2, l2)

@@ -25,7 +25,7 @@ from typing import Optional, Tuple
 import torch
 
 from .buffer import SymmBuffer
-from .transform import FP4_DELTA_BLOCK_BYTES, Weights
+from .transform import FP4_DELTA_BLOCK_BYTES, FP4_PACKED_BLOCK_BYTES, Weights
 
 # Expected kernel-format weights per MMA type: one (name, dtype, shape) entry per tensor of l1 / l2,
 # shapes as functions of (E_local, I, H). A plain tensor for bf16, a tuple otherwise.
@@ -39,11 +39,12 @@ def _weight_specs(mma_type: str, e: int, i: int, h: int) -> Tuple[_WeightSpec, _
     if mma_type == 'fp8xfp8':
         return ((('weights', torch.float8_e4m3fn, (e, 2 * i, h)), ('scales', torch.float32, (e, 2 * i // 128, h // 128))),
                 (('weights', torch.float8_e4m3fn, (e, h, i)), ('scales', torch.float32, (e, h // 128, i // 128))))
-    # fp8xfp4 deltas: one 512-byte block per 128x128 weight block (transform.py, "Delta layout")
-    return ((('weights', torch.uint8, (e, 2 * i, h // 2)),
+    # fp8xfp4: per 128x128 weight block one 8 KB block of packed codes and one 512-byte block of
+    # deltas (transform.py, "Packed layout" and "Delta layout")
+    return ((('weights', torch.uint8, (e, 2 * i // 128, h // 128, FP4_PACKED_BLOCK_BYTES)),
              ('delta', torch.uint8, (e, 2 * i // 128, h // 128, FP4_DELTA_BLOCK_BYTES)),
              ('block_scale', torch.float32, (e, 2 * i // 128, h // 128))),
-            (('weights', torch.uint8, (e, h, i // 2)),
+            (('weights', torch.uint8, (e, h // 128, i // 128, FP4_PACKED_BLOCK_BYTES)),
              ('delta', torch.uint8, (e, h // 128, i // 128, FP4_DELTA_BLOCK_BYTES)),
              ('block_scale', torch.float32, (e, h // 128, i // 128))))
 
@@ -236,11 +237,12 @@ def _fill_docs() -> None:
     fp8_sf = ', sym_buffer.x_sf[:n] (float32 [n, hidden/128])'
     docs = {
         fp8_fp4_mega_moe: dict(kind='fp8xfp4', sf=' (float8_e4m3fn)' + fp8_sf,
-                               l1='(w uint8 [E, 2I, H/2] packed E2M1, delta uint8 [E, 2I/128, H/128, 512] '
-                                  '(one 512-byte block per 128x128 weight block, byte r * 4 + g = row r, '
-                                  '32-group g), block_scale float32 [E, 2I/128, H/128]),',
-                               l2='(w uint8 [E, H, I/2], delta uint8 [E, H/128, I/128, 512], block_scale '
-                                  'float32 [E, H/128, I/128]).'),
+                               l1='(w uint8 [E, 2I/128, H/128, 8192] packed E2M1 (one 8 KB block per 128x128 '
+                                  'weight block, byte r * 64 + j = row r, byte j of its K-block), delta uint8 '
+                                  '[E, 2I/128, H/128, 512] (one 512-byte block per 128x128 weight block, byte '
+                                  'r * 4 + g = row r, 32-group g), block_scale float32 [E, 2I/128, H/128]),',
+                               l2='(w uint8 [E, H/128, I/128, 8192], delta uint8 [E, H/128, I/128, 512], '
+                                  'block_scale float32 [E, H/128, I/128]).'),
         fp8_mega_moe: dict(kind='fp8xfp8', sf=' (float8_e4m3fn)' + fp8_sf,
                            l1='(w float8_e4m3fn [E, 2I, H], sf float32 [E, 2I/128, H/128]),',
                            l2='(w float8_e4m3fn [E, H, I], sf float32 [E, H/128, I/128]).'),

@@ -9,11 +9,12 @@ format         checkpoint (input)                                        kernel 
 bf16xbf16      l1 bfloat16 [E, 2I, H]; l2 bfloat16 [E, H, I]             l1 gate/up interleaved; l2 as is
 fp8xfp8        l1 (w e4m3 [E, 2I, H], sf f32 [E, 2I/128, H/128])          w and sf rows interleaved; l2 as is
                l2 (w e4m3 [E, H, I], sf f32 [E, H/128, I/128])
-fp8xfp4        l1 (w uint8 [E, 2I, H/2] packed E2M1, sf uint8             l1 (w [E, 2I, H/2], delta uint8
-               [E, 2I, H/32] UE8M0); l2 (w [E, H, I/2], sf [E, H, I/32])  [E, 2I/128, H/128, 512], block_scale
-                                                                         f32 [E, 2I/128, H/128]), interleaved;
-                                                                         l2 the same 3-tuple (delta [E, H/128,
-                                                                         I/128, 512]), not interleaved
+fp8xfp4        l1 (w uint8 [E, 2I, H/2] packed E2M1, sf uint8             l1 (w uint8 [E, 2I/128, H/128, 8192],
+               [E, 2I, H/32] UE8M0); l2 (w [E, H, I/2], sf [E, H, I/32])  delta uint8 [E, 2I/128, H/128, 512],
+                                                                         block_scale f32 [E, 2I/128, H/128]),
+                                                                         interleaved; l2 the same 3-tuple
+                                                                         ([E, H/128, I/128, ...]), not
+                                                                         interleaved
 =============  ========================================================  =====================================
 
 Gate/up interleave: l1 rows become [gate 0:128, up 0:128, gate 128:256, up 128:256, ...], so the
@@ -28,6 +29,12 @@ group with delta d expands to RNE_e4m3(e2m1(c) * 2^(6 - d)): exact for d <= 14, 
 have one mantissa bit and E4M3 subnormals reach 2^-9 (0.5 * 2^(6-14) = 2^-9), and 6 * 2^6 = 384 <= 448
 never overflows. Groups with d > 14 lose their smallest values (or all of them); the transform warns
 with the count and the error, see `mxfp4_transform_error`.
+
+Packed layout (kernel format): uint8 [E, N/128, K/128, 8192], one contiguous 8 KB block per 128 x 128
+weight block: byte r * 64 + j is byte j of row r's 64 packed bytes of the K-block (elements 2j, 2j + 1
+in the low, high nibble), so the kernel streams a K-block of 128 rows as one contiguous copy instead
+of 128 rows of 64 bytes K/2 bytes apart. w[e, nb, kb, r * 64 + j] is byte kb * 64 + j of row
+nb * 128 + r of the checkpoint-order [E, N, K/2] (after the l1 interleave).
 
 Delta layout (kernel format): uint8 [E, N/128, K/128, 512], one contiguous 512-byte block per
 128 x 128 weight block, so the kernel fetches one K-block's deltas of a 128-row weight block with a
@@ -61,6 +68,8 @@ FP4_MAX_EXACT_DELTA = 14
 FP4_MAX_DELTA = 15
 # Bytes of one 128 x 128 weight block's deltas in the kernel layout: 128 rows x 4 groups of 32
 FP4_DELTA_BLOCK_BYTES = WEIGHT_BLOCK * (WEIGHT_BLOCK // MXFP4_GROUP)
+# Bytes of one 128 x 128 weight block's packed E2M1 codes in the kernel layout: 128 rows x 64 bytes
+FP4_PACKED_BLOCK_BYTES = WEIGHT_BLOCK * WEIGHT_BLOCK // 2
 _UE8M0_NAN = 255
 
 WeightsBF16 = torch.Tensor
@@ -168,6 +177,18 @@ def _deltas_from_kernel_blocks(delta: torch.Tensor) -> torch.Tensor:
     """Inverse of `_deltas_to_kernel_blocks`: [E, N/128, K/128, 512] -> row-major [E, N, K/32]."""
     e, nb, kb, _ = delta.shape
     return _unblocks(delta.reshape(e, nb, kb, WEIGHT_BLOCK, WEIGHT_BLOCK // MXFP4_GROUP)).contiguous()
+
+
+def _packed_to_kernel_blocks(w: torch.Tensor) -> torch.Tensor:
+    """Row-major packed E2M1 [E, N, K/2] -> the kernel's [E, N/128, K/128, 8192] (module docstring)."""
+    e, n, half_k = w.shape
+    return _blocks(w, WEIGHT_BLOCK // 2).reshape(e, n // WEIGHT_BLOCK, half_k * 2 // WEIGHT_BLOCK, FP4_PACKED_BLOCK_BYTES).contiguous()
+
+
+def _packed_from_kernel_blocks(w: torch.Tensor) -> torch.Tensor:
+    """Inverse of `_packed_to_kernel_blocks`: [E, N/128, K/128, 8192] -> [E, N, K/2]."""
+    e, nb, kb, _ = w.shape
+    return _unblocks(w.reshape(e, nb, kb, WEIGHT_BLOCK, WEIGHT_BLOCK // 2)).contiguous()
 
 
 def _unpack_e2m1_codes(packed: torch.Tensor) -> torch.Tensor:
@@ -312,29 +333,31 @@ def _rebase_mxfp4(w: torch.Tensor, sf: torch.Tensor) -> WeightsFP4:
 
 
 def _check_kernel_fp4(w: object, delta: object, block_scale: object, name: str) -> Tuple[int, int, int]:
-    """Kernel-format FP4 weights: w uint8 [E, N, K/2], delta uint8 [E, N/128, K/128, 512], block_scale
-    float32 [E, N/128, K/128]. Returns (E, N, K)."""
-    w, block_scale = _check_3d(w, f'{name} weights'), _check_3d(block_scale, f'{name} block_scale')
-    if not isinstance(delta, torch.Tensor):
-        raise TypeError(f'{name} delta must be a torch.Tensor, got {type(delta).__name__}')
+    """Kernel-format FP4 weights: w uint8 [E, N/128, K/128, 8192], delta uint8 [E, N/128, K/128, 512],
+    block_scale float32 [E, N/128, K/128]. Returns (E, N, K)."""
+    for t, what in ((w, 'weights'), (delta, 'delta'), (block_scale, 'block_scale')):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f'{name} {what} must be a torch.Tensor, got {type(t).__name__}')
     if w.dtype != torch.uint8 or delta.dtype != torch.uint8 or block_scale.dtype != torch.float32:
         raise TypeError(f'{name}: expected (uint8, uint8, float32), got ({w.dtype}, {delta.dtype}, {block_scale.dtype})')
-    e, n, half_k = w.shape
-    k = half_k * 2
-    _check_multiple(n, WEIGHT_BLOCK, f'{name} rows (N)')
-    _check_multiple(k, WEIGHT_BLOCK, f'{name} K')
-    _check_shape(delta, (e, n // WEIGHT_BLOCK, k // WEIGHT_BLOCK, FP4_DELTA_BLOCK_BYTES), f'{name} delta',
+    if w.dim() != 4 or w.shape[3] != FP4_PACKED_BLOCK_BYTES:
+        raise ValueError(f'{name} weights must have shape [E, N/128, K/128, {FP4_PACKED_BLOCK_BYTES}] (one contiguous '
+                         f'block of packed E2M1 per 128 x 128 weight block, from transform_weights_for_mega_moe), '
+                         f'got {list(w.shape)}')
+    e, nb, kb, _ = w.shape
+    _check_shape(delta, (e, nb, kb, FP4_DELTA_BLOCK_BYTES), f'{name} delta',
                  f'[E, N/128, K/128, {FP4_DELTA_BLOCK_BYTES}]: one {FP4_DELTA_BLOCK_BYTES}-byte block of '
                  'deltas per 128 x 128 weight block, from transform_weights_for_mega_moe')
-    _check_shape(block_scale, (e, n // WEIGHT_BLOCK, k // WEIGHT_BLOCK), f'{name} block_scale')
-    return e, n, k
+    _check_shape(block_scale, (e, nb, kb), f'{name} block_scale')
+    return e, nb * WEIGHT_BLOCK, kb * WEIGHT_BLOCK
 
 
 def dequant_mega_moe_fp4(w: torch.Tensor, delta: torch.Tensor, block_scale: torch.Tensor) -> torch.Tensor:
     """The weights the kernel computes with, from its FP4 format, exactly, in float32.
 
     Args:
-        w: uint8 [E, N, K/2] packed E2M1 (element 2j in the low nibble of byte j).
+        w: uint8 [E, N/128, K/128, 8192] packed E2M1 blocks (see the module docstring; element 2j
+            of a row in the low nibble of byte j).
         delta: uint8 [E, N/128, K/128, 512], 0..15: each group's exponent below its block's base;
             delta[e, nb, kb, r * 4 + g] belongs to row nb * 128 + r, K elements
             [(kb * 4 + g) * 32, (kb * 4 + g + 1) * 32) (see the module docstring).
@@ -348,7 +371,7 @@ def dequant_mega_moe_fp4(w: torch.Tensor, delta: torch.Tensor, block_scale: torc
     if delta.numel() > 0 and int(delta.max()) > FP4_MAX_DELTA:
         raise ValueError(f'delta must be <= {FP4_MAX_DELTA}, got {int(delta.max())}')
     table = fp4_expansion_table(w.device).flatten()
-    codes = _unpack_e2m1_codes(w)
+    codes = _unpack_e2m1_codes(_packed_from_kernel_blocks(w))
     deltas = _deltas_from_kernel_blocks(delta).to(torch.int64).repeat_interleave(MXFP4_GROUP, dim=-1)
     e4m3 = table[deltas * 16 + codes].view(torch.float8_e4m3fn).to(torch.float32)
     scale = block_scale.repeat_interleave(WEIGHT_BLOCK, dim=-2).repeat_interleave(WEIGHT_BLOCK, dim=-1)
@@ -430,10 +453,11 @@ def transform_weights_for_mega_moe(l1_weights: Weights, l2_weights: Weights) -> 
         fp8xfp4:   l1 (uint8 [E, 2I, H/2], UE8M0 uint8 [E, 2I, H/32]), l2 (uint8 [E, H, I/2], uint8 [E, H, I/32]);
                    float4_e2m1fn_x2 / float8_e8m0fnu are accepted for the weights / scales.
     l1 rows are [gate | up]. Returns (l1, l2) for `bf16_mega_moe` / `fp8_mega_moe` / `fp8_fp4_mega_moe`:
-    l1 gate/up interleaved in blocks of 128 rows; MXFP4 becomes (w uint8 [E, N, K/2], delta uint8
-    [E, N/128, K/128, 512], block_scale float32 [E, N/128, K/128]) with delta[e, nb, kb, r * 4 + g] the
-    delta of row nb * 128 + r (after the l1 interleave), group kb * 4 + g: one contiguous 512-byte block
-    per 128 x 128 weight block. Warns when MXFP4 groups lose precision (see `mxfp4_transform_error`).
+    l1 gate/up interleaved in blocks of 128 rows; MXFP4 becomes (w uint8 [E, N/128, K/128, 8192], delta
+    uint8 [E, N/128, K/128, 512], block_scale float32 [E, N/128, K/128]): per 128 x 128 weight block one
+    contiguous 8 KB block of packed codes (w[e, nb, kb, r * 64 + j] = byte kb * 64 + j of row nb * 128 + r)
+    and one 512-byte block of deltas (delta[e, nb, kb, r * 4 + g] = row nb * 128 + r, group kb * 4 + g),
+    rows after the l1 interleave. Warns when MXFP4 groups lose precision (see `mxfp4_transform_error`).
     Runs on the inputs' device.
     """
     kind = _detect_format(l1_weights, l2_weights)
@@ -450,9 +474,9 @@ def transform_weights_for_mega_moe(l1_weights: Weights, l2_weights: Weights) -> 
     w1, delta1, scale1 = _transform_mxfp4(w1, sf1, 'l1')
     w2, delta2, scale2 = _transform_mxfp4(w2, sf2, 'l2')
     # Rows interleaved first, then the deltas blocked (the interleave moves whole 128-row blocks)
-    l1 = (_interleave_gate_up(w1, GATE_UP_INTERLEAVE),
+    l1 = (_packed_to_kernel_blocks(_interleave_gate_up(w1, GATE_UP_INTERLEAVE)),
           _deltas_to_kernel_blocks(_interleave_gate_up(delta1, GATE_UP_INTERLEAVE)), _interleave_gate_up(scale1, 1))
-    return l1, (w2, _deltas_to_kernel_blocks(delta2), scale2)
+    return l1, (_packed_to_kernel_blocks(w2), _deltas_to_kernel_blocks(delta2), scale2)
 
 
 def _inverse_rebase_mxfp4(w: torch.Tensor, delta: torch.Tensor, block_scale: torch.Tensor,
@@ -491,10 +515,10 @@ def inverse_transform_weights_for_mega_moe(l1: Weights, l2: Weights) -> Tuple[We
         shape2 = _check_kernel_fp4(*l2, 'l2')
         _check_l1_l2_shapes(shape1, shape2)
         # Deltas unblocked to rows first, then the rows de-interleaved (the forward order reversed)
-        w1, delta1, scale1 = (_deinterleave_gate_up(l1[0], GATE_UP_INTERLEAVE),
+        w1, delta1, scale1 = (_deinterleave_gate_up(_packed_from_kernel_blocks(l1[0]), GATE_UP_INTERLEAVE),
                               _deinterleave_gate_up(_deltas_from_kernel_blocks(l1[1]), GATE_UP_INTERLEAVE),
                               _deinterleave_gate_up(l1[2], 1))
         return (_inverse_rebase_mxfp4(w1, delta1, scale1, 'l1'),
-                _inverse_rebase_mxfp4(l2[0], _deltas_from_kernel_blocks(l2[1]), l2[2], 'l2'))
+                _inverse_rebase_mxfp4(_packed_from_kernel_blocks(l2[0]), _deltas_from_kernel_blocks(l2[1]), l2[2], 'l2'))
     raise TypeError('expected kernel-format weights: bfloat16 tensors, (e4m3, float32) pairs or '
                     '(uint8, uint8, float32) triples for both l1 and l2')

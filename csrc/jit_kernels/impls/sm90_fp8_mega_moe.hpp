@@ -135,12 +135,14 @@ inline MegaMoEConfig launch_sm90_mega_moe(const SM90MegaMoEArgs& a) {
     const auto own = a.buffers[a.rank];
     const uint64_t h = a.hidden, i = a.intermediate_hidden, e = lay.num_local_experts, rows = lay.num_pool_rows;
     CUtensorMap tm_l1_act = make_kmajor_tma(own + lay.l1_act.offset, dtype, h, rows, bk, config.block_m, h * act);
-    // FP8 x FP4 weights: packed E2M1 bytes (K/2 per row), 64 bytes of a row per K-block, unswizzled
-    // (the math warpgroups expand them into the swizzled E4M3 tile)
+    // FP8 x FP4 weights: blocks of 128 rows x 64 packed bytes, one per 128 x 128 weight block and
+    // contiguous ([E, N/128, K/128, 8192], transform.py), seen as rows of 64 bytes; a box is one
+    // block (the kernel loads a 256-row L1 tile as two), unswizzled (the math warpgroups expand it
+    // into the swizzled E4M3 tile)
     const bool fp4 = a.mma_type == MmaType::kFP8xFP4;
     const auto w_tma = [&](int64_t ptr, uint64_t k, uint64_t rows, uint32_t box_rows) {
-        return fp4 ? make_kmajor_tma(ptr, CU_TENSOR_MAP_DATA_TYPE_UINT8, k / 2, rows, kMegaMoEPackedRowBytes, box_rows, k / 2,
-                                     CU_TENSOR_MAP_SWIZZLE_NONE)
+        return fp4 ? make_kmajor_tma(ptr, CU_TENSOR_MAP_DATA_TYPE_UINT8, kMegaMoEPackedRowBytes, rows * (k / 128),
+                                     kMegaMoEPackedRowBytes, 128, kMegaMoEPackedRowBytes, CU_TENSOR_MAP_SWIZZLE_NONE)
                    : make_kmajor_tma(ptr, dtype, k, rows, bk, box_rows, k * act);
     };
     CUtensorMap tm_l1_w = w_tma(a.l1_weights, h, e * 2 * i, kMegaMoEBlockNL1);

@@ -572,12 +572,14 @@ struct Kernel {
             const uint32_t b_bytes = kFP4 ? b_rows * (kMegaMoEPackedRowBytes + 4) : (is_l1 ? kBBytesL1 : kBBytesL2);
             const uint32_t stage_bytes = kABytes + kStageSfBytes + b_bytes;
             const CUtensorMap* tm_w = is_l1 ? tm_l1_w : tm_l2_w;
-            // FP4 deltas: one block per (128-row block, K-block), blocks of one expert K-major
+            // FP4 packed codes and deltas: one block each per (128-row block, K-block), the blocks of a
+            // row block K-major; block0 = the task's first row block at K-block 0
             const uint8_t* deltas = nullptr;
+            int64_t block0 = 0;
             if constexpr (kFP4) {
                 const int row_blocks = (is_l1 ? 2 * lay.intermediate_hidden : lay.hidden) / 128;
-                deltas = (is_l1 ? p.l1_weight_deltas : p.l2_weight_deltas) +
-                         (static_cast<int64_t>(le) * row_blocks + j * (b_rows / 128)) * num_kb * kMegaMoEDeltaBlockBytes;
+                block0 = (static_cast<int64_t>(le) * row_blocks + j * (b_rows / 128)) * num_kb;
+                deltas = is_l1 ? p.l1_weight_deltas : p.l2_weight_deltas;
             }
             auto claim_stage = [&](uint32_t it) {
                 const int s = it % kNumStages;
@@ -587,10 +589,14 @@ struct Kernel {
                 mbarrier_expect_tx(sm.full + s, stage_bytes);
                 const int kb = static_cast<int>(it - stage_iter);
                 if constexpr (kFP4) {
-                    tma_load_2d(sm.stage_b(s), tm_w, sm.full + s, kb * kMegaMoEPackedRowBytes, b_row0);
-                    for (int rb = 0; rb < b_rows / 128; ++rb)
-                        bulk_load(sm.stage_deltas(s) + rb * kMegaMoEDeltaBlockBytes,
-                                  deltas + (static_cast<int64_t>(rb) * num_kb + kb) * kMegaMoEDeltaBlockBytes, kMegaMoEDeltaBlockBytes, sm.full + s);
+                    // Per 128-row block: its packed codes (one contiguous 8 KB block, a TMA box of
+                    // 128 rows of 64 bytes) and its deltas (512 bytes)
+                    for (int rb = 0; rb < b_rows / 128; ++rb) {
+                        const int64_t block = block0 + static_cast<int64_t>(rb) * num_kb + kb;
+                        tma_load_2d(sm.stage_b(s) + rb * 128 * kMegaMoEPackedRowBytes, tm_w, sm.full + s, 0, static_cast<int>(block * 128));
+                        bulk_load(sm.stage_deltas(s) + rb * kMegaMoEDeltaBlockBytes, deltas + block * kMegaMoEDeltaBlockBytes,
+                                  kMegaMoEDeltaBlockBytes, sm.full + s);
+                    }
                 } else {
                     tma_load_2d(sm.stage_b(s), tm_w, sm.full + s, kb * BLOCK_K, b_row0);
                 }
