@@ -27,19 +27,18 @@ def expected_smem(mma_type, block_m, stages):
     # expert tables, 128 ints of pulled-row sources, 64 bytes of scalars, the 256-byte FP4 expansion
     # table) rounded up to 1 KB; 1 KB
     # to re-align the base. FP8 activations add per stage the M-block's scales (block_m floats) and
-    # per math warpgroup (always two) the task's weight scales (2 x 128 K-blocks of floats); FP4 adds per stage
+    # the B tile's weight block scales (gate and up floats, padded to 16 bytes); FP4 adds per stage
     # the B tile's exponent deltas (256 rows x 4 bytes).
     block_k = 64 if mma_type == 'bf16xbf16' else 128
     elem = 2 if mma_type == 'bf16xbf16' else 1
     fp8 = mma_type != 'bf16xbf16'
-    a = block_m * block_k * elem + (block_m * 4 if fp8 else 0)
+    a = block_m * block_k * elem + (block_m * 4 + 16 if fp8 else 0)
     fp4 = mma_type == 'fp8xfp4'
     b = 256 * 64 + 256 * 4 if fp4 else 256 * block_k * elem
     expanded = 256 * 128 if fp4 else 0
     epilogue = block_m * (128 * 2 + 16)
-    weight_scales = 2 * 2 * 128 * 4 if fp8 else 0      # two math warpgroups at every block_m
     control = -(-(stages * 16 + 4 * 20 + (2 * 512 + 1) * 4 + 128 * 4 + 64 + 256) // 1024) * 1024
-    return stages * (a + b) + expanded + epilogue + weight_scales + control + 1024
+    return stages * (a + b) + expanded + epilogue + control + 1024
 
 
 def test_decode_picks_block_m_64_and_prefill_128():

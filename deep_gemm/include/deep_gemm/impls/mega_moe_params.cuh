@@ -48,23 +48,22 @@ DG_HOST_DEVICE constexpr int mega_moe_expanded_b_bytes(MmaType t) { return t == 
 DG_HOST_DEVICE constexpr int mega_moe_stage_bytes(MmaType t, int block_m) { return block_m * 128 + mega_moe_stage_b_bytes(t); }
 DG_HOST_DEVICE constexpr int mega_moe_epilogue_bytes(int block_m) { return block_m * kMegaMoEEpilogueRowBytes; }
 // Per stage, next to the tiles: the M-block's activation scales for the K-block (FP8 activations,
-// block_m floats) and the B tile's exponent deltas (FP8 x FP4, 256 rows x 4 groups), both brought
-// by the producer with the tiles, so the math loop never waits on a global load
+// block_m floats), the B tile's exponent deltas (FP8 x FP4, 256 rows x 4 groups) and the B tile's
+// FP32 weight block scales (FP8 activations: gate and up for L1, one for L2, padded to 16 bytes),
+// all brought by the producer with the tiles, so the math loop never waits on a global load
 // FP4 exponent deltas in HBM (transform_weights_for_mega_moe): one block per 128 rows and K-block,
 // byte r * 4 + g = row r, 32-wide group g
 constexpr int kMegaMoEDeltaBlockBytes = 128 * 4;
 constexpr int kMegaMoEDeltaBytesL1 = kMegaMoEBlockNL1 / 128 * kMegaMoEDeltaBlockBytes;
+constexpr int kMegaMoEStageWeightSfBytes = 16;
 DG_HOST_DEVICE constexpr int mega_moe_stage_sf_bytes(MmaType t, int block_m) { return is_fp8_activation(t) ? block_m * 4 : 0; }
+DG_HOST_DEVICE constexpr int mega_moe_stage_deltas_bytes(MmaType t) { return t == MmaType::kFP8xFP4 ? kMegaMoEDeltaBytesL1 : 0; }
+DG_HOST_DEVICE constexpr int mega_moe_stage_weight_sf_bytes(MmaType t) { return is_fp8_activation(t) ? kMegaMoEStageWeightSfBytes : 0; }
 DG_HOST_DEVICE constexpr int mega_moe_stage_extra_bytes(MmaType t, int block_m) {
-    return mega_moe_stage_sf_bytes(t, block_m) + (t == MmaType::kFP8xFP4 ? kMegaMoEDeltaBytesL1 : 0);
+    return mega_moe_stage_sf_bytes(t, block_m) + mega_moe_stage_deltas_bytes(t) + mega_moe_stage_weight_sf_bytes(t);
 }
-// FP32 weight block scales of one task (gate and up rows, one per K-block), per math warpgroup:
-// loaded once when the task starts. Bounds hidden and intermediate_hidden (checked by the host).
+// K-blocks of one GEMM: bounds hidden and intermediate_hidden (checked by the host at layout time)
 constexpr int kMegaMoEMaxKBlocks = 128;
-constexpr int kMegaMoEWeightSfFloats = 2 * kMegaMoEMaxKBlocks;   // per math warpgroup: gate | up
-DG_HOST_DEVICE constexpr int mega_moe_weight_sf_bytes(MmaType t, int block_m) {
-    return is_fp8_activation(t) ? kMegaMoENumMathWarpgroups * kMegaMoEWeightSfFloats * 4 : 0;
-}
 // mbarriers (stages x 2 + ring x 2), ring slots, per-expert token counts and M-block table, the
 // pulled M-block's row sources, scalars, the 16 x 16 E2M1 -> E4M3 expansion table
 DG_HOST_DEVICE constexpr int mega_moe_control_smem_bytes(int num_stages) {
@@ -78,7 +77,7 @@ static_assert(kMaxRanks <= (1 << (32 - kPullTokenBits)), "a rank index fits the 
 DG_HOST_DEVICE constexpr int mega_moe_smem_bytes(MmaType t, int block_m, int num_stages) {
     // +1024: the dynamic shared-memory base is re-aligned to 1024 B for the swizzled tiles
     return num_stages * (mega_moe_stage_bytes(t, block_m) + mega_moe_stage_extra_bytes(t, block_m)) +
-           mega_moe_expanded_b_bytes(t) + mega_moe_epilogue_bytes(block_m) + mega_moe_weight_sf_bytes(t, block_m) +
+           mega_moe_expanded_b_bytes(t) + mega_moe_epilogue_bytes(block_m) +
            mega_moe_control_smem_bytes(num_stages) + 1024;
 }
 

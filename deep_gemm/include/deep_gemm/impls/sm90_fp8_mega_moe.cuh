@@ -129,11 +129,13 @@ struct Kernel {
     static constexpr int kStageBytes = mega_moe_stage_bytes(kMmaType, BLOCK_M);
     static constexpr int kStageSfBytes = mega_moe_stage_sf_bytes(kMmaType, BLOCK_M);
     static constexpr int kStageExtraBytes = mega_moe_stage_extra_bytes(kMmaType, BLOCK_M);
-    static constexpr int kWeightSfFloats = kMegaMoEWeightSfFloats;
+    static constexpr int kStageDeltaBytes = mega_moe_stage_deltas_bytes(kMmaType);
     static constexpr int kNumMathThreads = 128 * kNumMathWGs;
     static constexpr int kKStepsPerStage = 128 / mma::kWgmmaKBytes;
     static constexpr int kNumRingConsumers = kNumDispatchThreads + 128 * kNumMathWGs;
     static_assert(kStageBytes == kABytes + (kFP4 ? kMegaMoEBlockNL1 * kMegaMoEPackedRowBytes : kBBytesL1));
+    static_assert(kStageExtraBytes % 16 == 0 and kStageSfBytes % 16 == 0 and kStageDeltaBytes % 16 == 0,
+                  "bulk copies into a stage's extras need 16-byte alignment");
     static_assert(kNumMathWGs * 128 * kMathRegisters + 128 * kProducerRegisters <= 65536, "register file");
 
     // ------------------------------------------------------------------------------------------
@@ -142,8 +144,7 @@ struct Kernel {
         uint8_t* stages;          // [kNumStages][A tile | B tile (FP8 x FP4: packed E2M1)]
         uint8_t* expanded_b;      // FP8 x FP4: the E4M3 B tile the wgmma reads, expanded from a stage
         uint8_t* epilogue;
-        uint8_t* extras;          // [kNumStages][A scales | FP4 deltas]
-        float* weight_sf;         // [math warpgroup][gate K-blocks | up K-blocks] of the current task
+        uint8_t* extras;          // [kNumStages][A scales | FP4 deltas | B weight scales]
         uint64_t* full;
         uint64_t* empty;
         uint64_t* ring_full;
@@ -160,8 +161,7 @@ struct Kernel {
             expanded_b = base + kNumStages * kStageBytes;     // stage sizes are multiples of 1024
             epilogue = expanded_b + mega_moe_expanded_b_bytes(kMmaType);
             extras = epilogue + mega_moe_epilogue_bytes(BLOCK_M);
-            weight_sf = reinterpret_cast<float*>(extras + kNumStages * kStageExtraBytes);
-            auto* c = reinterpret_cast<uint8_t*>(weight_sf) + mega_moe_weight_sf_bytes(kMmaType, BLOCK_M);
+            auto* c = extras + kNumStages * kStageExtraBytes;
             full = reinterpret_cast<uint64_t*>(c);
             empty = full + kNumStages;
             ring_full = empty + kNumStages;
@@ -186,6 +186,10 @@ struct Kernel {
         __device__ uint8_t* mma_b(int s) const { return kFP4 ? expanded_b : stage_b(s); }
         __device__ float* stage_sf(int s) const { return reinterpret_cast<float*>(extras + s * kStageExtraBytes); }
         __device__ uint8_t* stage_deltas(int s) const { return extras + s * kStageExtraBytes + kStageSfBytes; }
+        // The K-block's FP32 weight block scales of the B tile: L1 [gate, up], L2 [block]
+        __device__ float* stage_wsf(int s) const {
+            return reinterpret_cast<float*>(extras + s * kStageExtraBytes + kStageSfBytes + kStageDeltaBytes);
+        }
     };
 
     // Task space of one call, identical in every CTA of a rank once the receive counts are known
@@ -576,6 +580,11 @@ struct Kernel {
             // row block K-major; block0 = the task's first row block at K-block 0
             const uint8_t* deltas = nullptr;
             int64_t block0 = 0;
+            // FP32 weight block scales, [K-blocks] per 128-row block: L1 gate row block 2j, up 2j + 1
+            const float* w_sf = nullptr;
+            if constexpr (kFP8)
+                w_sf = is_l1 ? p.l1_weight_scales + (static_cast<int64_t>(le) * (2 * lay.intermediate_hidden / 128) + 2 * j) * num_kb
+                             : p.l2_weight_scales + (static_cast<int64_t>(le) * (lay.hidden / 128) + j) * num_kb;
             if constexpr (kFP4) {
                 const int row_blocks = (is_l1 ? 2 * lay.intermediate_hidden : lay.hidden) / 128;
                 block0 = (static_cast<int64_t>(le) * row_blocks + j * (b_rows / 128)) * num_kb;
@@ -599,6 +608,13 @@ struct Kernel {
                     }
                 } else {
                     tma_load_2d(sm.stage_b(s), tm_w, sm.full + s, kb * BLOCK_K, b_row0);
+                }
+                if constexpr (kFP8) {
+                    // The K-block's weight scales ride with the tile: 4-byte copies, so the full
+                    // barrier also waits for them (the math reads them from the stage)
+                    cp_async_4(sm.stage_wsf(s), w_sf + kb);
+                    if (is_l1) cp_async_4(sm.stage_wsf(s) + 1, w_sf + num_kb + kb);
+                    cp_async_arrive_on(sm.full + s);
                 }
                 armed_end = it + 1;
                 return true;
@@ -697,16 +713,6 @@ struct Kernel {
         __device__ int row_in_tile(int half) const { return (kSplitN ? 0 : wg * 64) + warp * 16 + lane / 4 + 8 * half; }
         __device__ int row0() const { return kSplitN ? 0 : wg * 64; }   // first tile row of this warpgroup
     };
-
-    // The task's FP32 weight block scales (`count` floats from `src`) into this warpgroup's slice
-    // of shared memory, once per task instead of one global round trip per K-block. The previous
-    // task's reads of the slice ended before its epilogue's barriers.
-    __device__ const float* load_weight_scales(const float* src, int count, const MathThread& mt) {
-        float* dst = sm.weight_sf + mt.wg * kWeightSfFloats;
-        for (int i = mt.tid; i < count; i += 128) dst[i] = __ldg(src + i);
-        named_barrier(kBarrierMathBase + mt.wg, 128);
-        return dst;
-    }
 
     // Leave-now decisions of the math side, taken by every thread of the group that meets at
     // barriers: both warpgroups when they share a tile (split columns) or a barrier (FP4
@@ -810,9 +816,6 @@ struct Kernel {
         if constexpr (kFP8) {
             #pragma unroll
             for (int i = 0; i < kL1Acc; ++i) acc[i] = 0.0f;
-            // gate and up scale rows are adjacent: [gate K-blocks | up K-blocks]
-            const float* b_sf = load_weight_scales(
-                p.l1_weight_scales + (static_cast<int64_t>(le) * (2 * lay.intermediate_hidden / 128) + 2 * j) * num_kb, 2 * num_kb, mt);
             for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
                 if (not wait_full(stage_iter, mt)) return false;
                 if (kb == 0 and mt.tid == 0) trace(kTraceL1FirstStage, true);
@@ -820,7 +823,7 @@ struct Kernel {
                 const int s = stage_iter % kNumStages;
                 if constexpr (kFP4) expand_fp4_tile<kMegaMoEBlockNL1>(s);
                 const float sa0 = sm.stage_sf(s)[mt.row_in_tile(0)], sa1 = sm.stage_sf(s)[mt.row_in_tile(1)];
-                const float sg = b_sf[kb], su = b_sf[num_kb + kb];
+                const float sg = sm.stage_wsf(s)[0], su = sm.stage_wsf(s)[1];
                 const uint64_t da = mma::make_k_major_sw128_desc(sm.stage_a(s) + a_offset);
                 const uint64_t dg = mma::make_k_major_sw128_desc(sm.mma_b(s) + gate_offset);
                 const uint64_t du = mma::make_k_major_sw128_desc(sm.mma_b(s) + up_offset);
@@ -913,13 +916,11 @@ struct Kernel {
             float part[kL2Acc];
             #pragma unroll
             for (int i = 0; i < kL2Acc; ++i) acc[i] = 0.0f;
-            const float* b_sf = load_weight_scales(
-                p.l2_weight_scales + (static_cast<int64_t>(le) * (lay.hidden / 128) + j) * num_kb, num_kb, mt);
             for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
                 if (not wait_full(stage_iter, mt)) return false;
                 const int s = stage_iter % kNumStages;
                 if constexpr (kFP4) expand_fp4_tile<kMegaMoEBlockNL2>(s);
-                const float sb = b_sf[kb];
+                const float sb = sm.stage_wsf(s)[0];
                 const float s0 = sm.stage_sf(s)[mt.row_in_tile(0)] * sb, s1 = sm.stage_sf(s)[mt.row_in_tile(1)] * sb;
                 const uint64_t da = mma::make_k_major_sw128_desc(sm.stage_a(s) + a_offset);
                 const uint64_t db = mma::make_k_major_sw128_desc(sm.mma_b(s) + b_offset);

@@ -105,6 +105,19 @@ __device__ __forceinline__ void bulk_load(void* smem_dst, const void* src, uint3
         : "memory");
 }
 
+// One 4-byte global -> shared copy (cp.async, not the TMA unit: too small for a bulk copy).
+// Completion is tracked by `cp_async_arrive_on` on an mbarrier, not by cp.async groups.
+__device__ __forceinline__ void cp_async_4(void* smem_dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n"
+                 :: "r"(smem_addr(smem_dst)), "l"(reinterpret_cast<uint64_t>(src)) : "memory");
+}
+
+// `bar`'s current phase also waits for every cp.async this thread issued so far: the pending count
+// is raised by one now and the arrival happens when those copies land (count-neutral, no .noinc)
+__device__ __forceinline__ void cp_async_arrive_on(uint64_t* bar) {
+    asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];\n" :: "r"(smem_addr(bar)) : "memory");
+}
+
 // Generic-proxy writes (st.global) must be fenced before the async proxy (TMA) reads them
 __device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
 __device__ __forceinline__ void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
