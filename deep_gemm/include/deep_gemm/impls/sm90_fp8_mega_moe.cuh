@@ -1074,8 +1074,13 @@ struct Kernel {
             auto* dst = peer<uint8_t>(src, lay.combine) + ((static_cast<int64_t>(k) * n_max + token) * lay.hidden + j * 128) * 2 + col;
             *reinterpret_cast<int4*>(dst) = *reinterpret_cast<const int4*>(tile + r * kMegaMoEEpilogueRowBytes + col);
         }
-        // release (system scope): the source rank's combine reads these rows after our signal. One
-        // fence after the barrier covers every thread's stores (cumulativity).
+        finish_l2_task(mt);
+    }
+
+    // After a warpgroup's combine-row stores of an L2 task. Release (system scope): the source
+    // rank's combine reads these rows after our signal. One fence after the barrier covers every
+    // thread's stores (cumulativity).
+    __device__ void finish_l2_task(const MathThread& mt) {
         named_barrier(kBarrierMathBase + mt.wg, 128);
         if (mt.tid == 0) {
             fence_acq_rel_sys();
@@ -1083,6 +1088,232 @@ struct Kernel {
             if (atom_acq_rel_gpu_add(mine<uint32_t>(lay.control) + L::kControlL2TasksDone, 1) + 1 == target)
                 signal_combine_ready();
         }
+    }
+
+    // ------------------------------------------------------------------------------------------
+    // Narrow decode tiles (BLOCK_M = 64, at most kNarrowRows tokens in the M-block): the weights
+    // are the wgmma M side and the tokens its N = 8, so a tile that holds one token stops paying
+    // for 64 rows of tensor work and promotion. Warpgroup w takes weight rows [64 w, 64 w + 64) of
+    // each 128-row block of the B tile (L1: of gate and of up, so SwiGLU stays in the thread). The
+    // tokens are rows 0..7 of the stage's A tile, read as the K-major N side; the producer side is
+    // unchanged. Accumulator i of a thread: weight row warp * 16 + lane / 4 + 8 * (i / 2) of the
+    // warpgroup's 64, token (lane % 4) * 2 + i % 2.
+    static constexpr int kNarrowRows = 8;
+    struct NarrowThread {
+        int r0, c0;   // weight row of accumulators 0, 1 within the warpgroup's 64; token of accumulators 0, 2
+        __device__ explicit NarrowThread(const MathThread& mt) : r0(mt.warp * 16 + mt.lane / 4), c0((mt.lane % 4) * 2) {}
+        __device__ int row(int i) const { return r0 + 8 * (i / 2); }
+        __device__ int token(int i) const { return c0 + i % 2; }
+    };
+
+    // L1 on a narrow tile: gate and up of this warpgroup's 64 rows. Also returns the top-k weights
+    // of this thread's two tokens (ordered after the pull's writes by the stage wait).
+    __device__ bool narrow_l1_mainloop(int m, uint32_t& stage_iter, const MathThread& mt, float (&gate)[4], float (&up)[4], float (&tok_w)[2]) {
+        const NarrowThread nt(mt);
+        const int num_kb = lay.hidden / BLOCK_K;
+        const uint32_t gate_offset = mt.wg * 64 * 128, up_offset = gate_offset + 128 * 128;
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) gate[i] = up[i] = 0.0f;
+        for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
+            if (not wait_full(stage_iter, mt)) return false;
+            if (kb == 0 and mt.tid == 0) trace(kTraceL1FirstStage, true);
+            if (kb < kTraceKbSlots and mt.tid == 0 and mt.wg == 0) trace(kTraceKbReady + kb, true);
+            const int s = stage_iter % kNumStages;
+            if constexpr (kFP4) expand_fp4_tile<kMegaMoEBlockNL1>(s);
+            const uint64_t dt = mma::make_k_major_sw128_desc(sm.stage_a(s));
+            const uint64_t dg = mma::make_k_major_sw128_desc(sm.mma_b(s) + gate_offset);
+            const uint64_t du = mma::make_k_major_sw128_desc(sm.mma_b(s) + up_offset);
+            if constexpr (kFP8) {
+                const float sa0 = sm.stage_sf(s)[nt.c0], sa1 = sm.stage_sf(s)[nt.c0 + 1];
+                const float sg = sm.stage_wsf(s)[0], su = sm.stage_wsf(s)[1];
+                float part_g[4], part_u[4];
+                mma::fence_operands(part_g), mma::fence_operands(part_u);
+                mma::warpgroup_arrive();
+                #pragma unroll
+                for (int ks = 0; ks < kKStepsPerStage; ++ks)
+                    mma::FP8MmaN8::fma(mma::advance_desc(dg, ks * mma::kWgmmaKBytes), mma::advance_desc(dt, ks * mma::kWgmmaKBytes), part_g, ks > 0);
+                #pragma unroll
+                for (int ks = 0; ks < kKStepsPerStage; ++ks)
+                    mma::FP8MmaN8::fma(mma::advance_desc(du, ks * mma::kWgmmaKBytes), mma::advance_desc(dt, ks * mma::kWgmmaKBytes), part_u, ks > 0);
+                mma::warpgroup_commit();
+                if (kb == 0) narrow_read_token_weights(m, nt, tok_w);
+                mma::warpgroup_wait<0>();
+                mma::fence_operands(part_g), mma::fence_operands(part_u);
+                release_stage(stage_iter, mt);
+                #pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    gate[i] += part_g[i] * ((i & 1) ? sa1 * sg : sa0 * sg);
+                    up[i] += part_u[i] * ((i & 1) ? sa1 * su : sa0 * su);
+                }
+            } else {
+                mma::fence_operands(gate), mma::fence_operands(up);
+                mma::warpgroup_arrive();
+                #pragma unroll
+                for (int ks = 0; ks < kKStepsPerStage; ++ks)
+                    mma::BF16MmaN8::fma(mma::advance_desc(dg, ks * mma::kWgmmaKBytes), mma::advance_desc(dt, ks * mma::kWgmmaKBytes),
+                                        gate, kb > 0 or ks > 0);
+                #pragma unroll
+                for (int ks = 0; ks < kKStepsPerStage; ++ks)
+                    mma::BF16MmaN8::fma(mma::advance_desc(du, ks * mma::kWgmmaKBytes), mma::advance_desc(dt, ks * mma::kWgmmaKBytes),
+                                        up, kb > 0 or ks > 0);
+                mma::warpgroup_commit();
+                if (kb == 0) narrow_read_token_weights(m, nt, tok_w);
+                mma::warpgroup_wait<0>();
+                mma::fence_operands(gate), mma::fence_operands(up);
+                release_stage(stage_iter, mt);
+            }
+        }
+        return true;
+    }
+
+    __device__ void narrow_read_token_weights(int m, const NarrowThread& nt, float (&tok_w)[2]) {
+        const float* w = mine<float>(lay.row_weight) + static_cast<int64_t>(m) * BLOCK_M + nt.c0;
+        tok_w[0] = __ldcg(w);
+        tok_w[1] = __ldcg(w + 1);
+    }
+
+    // L1 epilogue of a narrow tile: SwiGLU (+clamp) x top-k weight, then per token the FP8 amax
+    // over the block's 128 columns (this thread's rows, the warp's by shuffles, the 8 math warps'
+    // through shared memory), quantization (the same arithmetic as the wide tile), and the token
+    // rows into the L2 pool. Token rows of the staging tile span both warpgroups' columns.
+    __device__ void narrow_l1_epilogue(int m, int j, int num_rows, const MathThread& mt, const float (&gate)[4], const float (&up)[4],
+                                       const float (&tok_w)[2]) {
+        const NarrowThread nt(mt);
+        const float clamp = p.activation_clamp;
+        uint8_t* tile = sm.epilogue;    // row t: token t's 128 columns of the block
+        float act[4], amax[2] = {0.0f, 0.0f};
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float gt = fminf(gate[i], clamp);
+            const float u = fminf(fmaxf(up[i], -clamp), clamp);
+            act[i] = silu<kFastMath>(gt) * u * tok_w[i % 2];
+            amax[i % 2] = fmaxf(amax[i % 2], fabsf(act[i]));
+        }
+        const int col = mt.wg * 64;     // this warpgroup's first column of the block
+        if constexpr (kFP8) {
+            // lanes of equal lane % 4 hold the same tokens
+            #pragma unroll
+            for (int t = 0; t < 2; ++t)
+                #pragma unroll
+                for (int d = 4; d < 32; d *= 2) amax[t] = fmaxf(amax[t], __shfl_xor_sync(0xffffffff, amax[t], d));
+            // [math warp][token] in staging rows kNarrowRows.. (never token rows of a narrow tile)
+            static_assert(kNarrowRows * 2 <= BLOCK_M and kNumMathWGs * 4 * kNarrowRows * 4 <= kNarrowRows * kMegaMoEEpilogueRowBytes);
+            auto* xchg = reinterpret_cast<float*>(tile + kNarrowRows * kMegaMoEEpilogueRowBytes);
+            if (mt.lane < 4) {
+                xchg[(mt.wg * 4 + mt.warp) * kNarrowRows + nt.c0] = amax[0];
+                xchg[(mt.wg * 4 + mt.warp) * kNarrowRows + nt.c0 + 1] = amax[1];
+            }
+            named_barrier(kBarrierMathAll, kNumMathThreads);
+            #pragma unroll
+            for (int w = 0; w < kNumMathWGs * 4; ++w) {
+                amax[0] = fmaxf(amax[0], xchg[w * kNarrowRows + nt.c0]);
+                amax[1] = fmaxf(amax[1], xchg[w * kNarrowRows + nt.c0 + 1]);
+            }
+            // Correctly rounded divisions, as the wide tile (bit-identical to per_token_cast_to_fp8)
+            float a[2], inv[2];
+            #pragma unroll
+            for (int t = 0; t < 2; ++t) a[t] = fmaxf(amax[t], 1e-10f), inv[t] = __fdiv_rn(448.0f, a[t]);
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const __nv_fp8_storage_t q = __nv_cvt_float_to_fp8(act[i] * inv[i % 2], __NV_SATFINITE, __NV_E4M3);
+                tile[nt.token(i) * kMegaMoEEpilogueRowBytes + col + nt.row(i)] = q;
+            }
+            if (mt.wg == 0 and mt.warp == 0 and mt.lane < 4) {
+                #pragma unroll
+                for (int t = 0; t < 2; ++t)
+                    if (nt.c0 + t < num_rows)
+                        mine<float>(lay.l2_sf)[static_cast<int64_t>(j) * lay.num_pool_rows + static_cast<int64_t>(m) * BLOCK_M + nt.c0 + t] =
+                            __fdiv_rn(a[t], 448.0f);
+            }
+        } else {
+            #pragma unroll
+            for (int i = 0; i < 4; ++i)
+                *reinterpret_cast<__nv_bfloat16*>(tile + nt.token(i) * kMegaMoEEpilogueRowBytes + (col + nt.row(i)) * 2) = __float2bfloat16_rn(act[i]);
+        }
+        named_barrier(kBarrierMathAll, kNumMathThreads);
+        // 16-byte chunks of the token rows into the L2 pool, over all math threads
+        constexpr int kChunks = 128 * kActBytes / 16;
+        const int thread = mt.wg * 128 + mt.tid;
+        auto* l2_act = mine<uint8_t>(lay.l2_act);
+        if (thread < num_rows * kChunks) {
+            const int t = thread / kChunks, c = (thread % kChunks) * 16;
+            const int64_t g = static_cast<int64_t>(m) * BLOCK_M + t;
+            *reinterpret_cast<int4*>(l2_act + (g * lay.intermediate_hidden + j * 128) * kActBytes + c) =
+                *reinterpret_cast<const int4*>(tile + t * kMegaMoEEpilogueRowBytes + c);
+        }
+        // release, as the wide tile: every thread fences into the async proxy, one release per
+        // warpgroup after the barrier (the L2 dependency counts kNumMathWGs per L1 task)
+        fence_proxy_async_global();
+        named_barrier(kBarrierMathAll, kNumMathThreads);
+        if (mt.tid == 0) red_release_gpu_add(mine<uint32_t>(lay.mblock_l1_done) + m, 1);
+    }
+
+    // L2 on a narrow tile: this warpgroup's 64 of the block's 128 output columns
+    __device__ bool narrow_l2_mainloop(uint32_t& stage_iter, const MathThread& mt, float (&acc)[4]) {
+        const NarrowThread nt(mt);
+        const int num_kb = lay.intermediate_hidden / BLOCK_K;
+        const uint32_t b_offset = mt.wg * 64 * 128;
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) acc[i] = 0.0f;
+        for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
+            if (not wait_full(stage_iter, mt)) return false;
+            const int s = stage_iter % kNumStages;
+            if constexpr (kFP4) expand_fp4_tile<kMegaMoEBlockNL2>(s);
+            const uint64_t dt = mma::make_k_major_sw128_desc(sm.stage_a(s));
+            const uint64_t db = mma::make_k_major_sw128_desc(sm.mma_b(s) + b_offset);
+            if constexpr (kFP8) {
+                const float sb = sm.stage_wsf(s)[0];
+                const float s0 = sm.stage_sf(s)[nt.c0] * sb, s1 = sm.stage_sf(s)[nt.c0 + 1] * sb;
+                float part[4];
+                mma::fence_operands(part);
+                mma::warpgroup_arrive();
+                #pragma unroll
+                for (int ks = 0; ks < kKStepsPerStage; ++ks)
+                    mma::FP8MmaN8::fma(mma::advance_desc(db, ks * mma::kWgmmaKBytes), mma::advance_desc(dt, ks * mma::kWgmmaKBytes), part, ks > 0);
+                mma::warpgroup_commit();
+                mma::warpgroup_wait<0>();
+                mma::fence_operands(part);
+                release_stage(stage_iter, mt);
+                #pragma unroll
+                for (int i = 0; i < 4; ++i) acc[i] += part[i] * ((i & 1) ? s1 : s0);
+            } else {
+                mma::fence_operands(acc);
+                mma::warpgroup_arrive();
+                #pragma unroll
+                for (int ks = 0; ks < kKStepsPerStage; ++ks)
+                    mma::BF16MmaN8::fma(mma::advance_desc(db, ks * mma::kWgmmaKBytes), mma::advance_desc(dt, ks * mma::kWgmmaKBytes),
+                                        acc, kb > 0 or ks > 0);
+                mma::warpgroup_commit();
+                mma::warpgroup_wait<0>();
+                mma::fence_operands(acc);
+                release_stage(stage_iter, mt);
+            }
+        }
+        return true;
+    }
+
+    // L2 epilogue of a narrow tile: BF16 token rows into the source ranks' combine slots; each
+    // warpgroup stages and copies its own 64 columns (128 bytes) of every token row
+    __device__ void narrow_l2_epilogue(int m, int j, int num_rows, const MathThread& mt, const float (&acc)[4]) {
+        const NarrowThread nt(mt);
+        uint8_t* tile = sm.epilogue;
+        const int col = mt.wg * 64;
+        #pragma unroll
+        for (int i = 0; i < 4; ++i)
+            *reinterpret_cast<__nv_bfloat16*>(tile + nt.token(i) * kMegaMoEEpilogueRowBytes + (col + nt.row(i)) * 2) = __float2bfloat16_rn(acc[i]);
+        named_barrier(kBarrierMathBase + mt.wg, 128);
+        constexpr int kChunks = 64 * 2 / 16;
+        if (mt.tid < num_rows * kChunks) {
+            const int t = mt.tid / kChunks, c = col * 2 + (mt.tid % kChunks) * 16;
+            const int info = __ldcg(mine<int>(lay.row_info) + static_cast<int64_t>(m) * BLOCK_M + t);
+            if (info >= 0) {
+                const int n_max = lay.num_max_tokens_per_rank, topk = lay.num_topk;
+                const int src = info / (n_max * topk), token = (info % (n_max * topk)) / topk, k = info % topk;
+                auto* dst = peer<uint8_t>(src, lay.combine) + ((static_cast<int64_t>(k) * n_max + token) * lay.hidden + j * 128) * 2 + c;
+                *reinterpret_cast<int4*>(dst) = *reinterpret_cast<const int4*>(tile + t * kMegaMoEEpilogueRowBytes + c);
+            }
+        }
+        finish_l2_task(mt);
     }
 
     // All of this rank's L2 rows are out: tell every source rank
@@ -1108,17 +1339,29 @@ struct Kernel {
                 const int idx = t - tasks.pull_end(), m = idx / tasks.num_l1_nblocks, j = idx % tasks.num_l1_nblocks;
                 float acc[kL1Acc], row_w[2];
                 if (mt.tid == 0) trace(kTraceL1Begin, true);
-                const int le = expert_of_mblock(m);
-                if (not l1_mainloop(m, le, j, stage_iter, mt, acc, row_w)) break;
-                l1_epilogue(m, j, valid_rows(m, le), mt, acc, row_w);
+                const int le = expert_of_mblock(m), rows = valid_rows(m, le);
+                if (kSplitN and rows <= kNarrowRows) {
+                    float gate[4], up[4], tok_w[2];
+                    if (not narrow_l1_mainloop(m, stage_iter, mt, gate, up, tok_w)) break;
+                    narrow_l1_epilogue(m, j, rows, mt, gate, up, tok_w);
+                } else {
+                    if (not l1_mainloop(m, le, j, stage_iter, mt, acc, row_w)) break;
+                    l1_epilogue(m, j, rows, mt, acc, row_w);
+                }
                 if (mt.tid == 0 and mt.wg == 0) trace(kTraceL1End);
             } else if (t >= tasks.l1_end() and t < tasks.l2_end()) {
                 const int idx = t - tasks.l1_end(), m = idx / tasks.num_l2_nblocks, j = idx % tasks.num_l2_nblocks;
                 float acc[kL2Acc];
                 if (mt.tid == 0) trace(kTraceL2Begin, true);
-                const int le = expert_of_mblock(m);
-                if (not l2_mainloop(m, le, j, stage_iter, mt, acc)) break;
-                l2_epilogue(m, j, valid_rows(m, le), mt, acc);
+                const int le = expert_of_mblock(m), rows = valid_rows(m, le);
+                if (kSplitN and rows <= kNarrowRows) {
+                    float narrow_acc[4];
+                    if (not narrow_l2_mainloop(stage_iter, mt, narrow_acc)) break;
+                    narrow_l2_epilogue(m, j, rows, mt, narrow_acc);
+                } else {
+                    if (not l2_mainloop(m, le, j, stage_iter, mt, acc)) break;
+                    l2_epilogue(m, j, rows, mt, acc);
+                }
                 if (mt.tid == 0) trace(kTraceL2End);
             } else if (t >= tasks.l2_end()) {
                 combine<kMathCombineSlots>(t - tasks.l2_end(), 128 * mt.wg + mt.tid, mt.tid, 128, kBarrierMathBase + mt.wg);

@@ -55,8 +55,10 @@ struct WgmmaSS {
 // 64 rows (one warpgroup) x N columns x K per instruction; accumulators: N/2 floats per thread.
 // Accumulator i of a thread holds row (warp % 4) * 16 + lane / 4 + 8 * ((i / 2) % 2) and column
 // (i / 4) * 8 + (lane % 4) * 2 + (i % 2).
+using FP8MmaN8 = WgmmaSS<cute::SM90::GMMA::MMA_64x8x32_F32E4M3E4M3_SS_TN<>, 4>;
 using FP8MmaN64 = WgmmaSS<cute::SM90::GMMA::MMA_64x64x32_F32E4M3E4M3_SS_TN<>, 32>;
 using FP8MmaN128 = WgmmaSS<cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_SS_TN<>, 64>;
+using BF16MmaN8 = WgmmaSS<cute::SM90::GMMA::MMA_64x8x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>, 4>;
 using BF16MmaN64 = WgmmaSS<cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>, 32>;
 using BF16MmaN128 = WgmmaSS<cute::SM90::GMMA::MMA_64x128x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>, 64>;
 using BF16MmaN256 = WgmmaSS<cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>, 128>;
