@@ -190,6 +190,9 @@ struct Kernel {
         __device__ float* stage_wsf(int s) const {
             return reinterpret_cast<float*>(extras + s * kStageExtraBytes + kStageSfBytes + kStageDeltaBytes);
         }
+        // The math loops read the scales by 32-bit shared address (`ld.shared`, not a generic load)
+        __device__ float token_sf(int s, int row) const { return ld_shared_f32(smem_addr(stage_sf(s)) + row * 4); }
+        __device__ float weight_sf(int s, int i) const { return ld_shared_f32(smem_addr(stage_wsf(s)) + i * 4); }
     };
 
     // Task space of one call, identical in every CTA of a rank once the receive counts are known
@@ -729,7 +732,7 @@ struct Kernel {
         const int s = stage_iter % kNumStages;
         const bool ok = bounded_wait(p, sm.ctrl, Phase::kPipeline, p.rank,
                                      [&] { return mbarrier_try_wait(sm.full + s, (stage_iter / kNumStages) & 1); });
-        return not math_any(not ok or *reinterpret_cast<volatile int*>(&sm.ctrl->abort), mt);
+        return not math_any(not ok or ld_volatile_shared_s32(smem_addr(&sm.ctrl->abort)), mt);
     }
     // Every lane's reads of the stage (wgmma and the scales in it) happen before its warp's arrival
     __device__ void release_stage(uint32_t stage_iter, const MathThread& mt) {
@@ -822,8 +825,8 @@ struct Kernel {
                 if (kb < kTraceKbSlots and mt.tid == 0 and mt.wg == 0) trace(kTraceKbReady + kb, true);
                 const int s = stage_iter % kNumStages;
                 if constexpr (kFP4) expand_fp4_tile<kMegaMoEBlockNL1>(s);
-                const float sa0 = sm.stage_sf(s)[mt.row_in_tile(0)], sa1 = sm.stage_sf(s)[mt.row_in_tile(1)];
-                const float sg = sm.stage_wsf(s)[0], su = sm.stage_wsf(s)[1];
+                const float sa0 = sm.token_sf(s, mt.row_in_tile(0)), sa1 = sm.token_sf(s, mt.row_in_tile(1));
+                const float sg = sm.weight_sf(s, 0), su = sm.weight_sf(s, 1);
                 const uint64_t da = mma::make_k_major_sw128_desc(sm.stage_a(s) + a_offset);
                 const uint64_t dg = mma::make_k_major_sw128_desc(sm.mma_b(s) + gate_offset);
                 const uint64_t du = mma::make_k_major_sw128_desc(sm.mma_b(s) + up_offset);
@@ -920,8 +923,8 @@ struct Kernel {
                 if (not wait_full(stage_iter, mt)) return false;
                 const int s = stage_iter % kNumStages;
                 if constexpr (kFP4) expand_fp4_tile<kMegaMoEBlockNL2>(s);
-                const float sb = sm.stage_wsf(s)[0];
-                const float s0 = sm.stage_sf(s)[mt.row_in_tile(0)] * sb, s1 = sm.stage_sf(s)[mt.row_in_tile(1)] * sb;
+                const float sb = sm.weight_sf(s, 0);
+                const float s0 = sm.token_sf(s, mt.row_in_tile(0)) * sb, s1 = sm.token_sf(s, mt.row_in_tile(1)) * sb;
                 const uint64_t da = mma::make_k_major_sw128_desc(sm.stage_a(s) + a_offset);
                 const uint64_t db = mma::make_k_major_sw128_desc(sm.mma_b(s) + b_offset);
                 mma::fence_operands(part);
@@ -1124,8 +1127,8 @@ struct Kernel {
             const uint64_t dg = mma::make_k_major_sw128_desc(sm.mma_b(s) + gate_offset);
             const uint64_t du = mma::make_k_major_sw128_desc(sm.mma_b(s) + up_offset);
             if constexpr (kFP8) {
-                const float sa0 = sm.stage_sf(s)[nt.c0], sa1 = sm.stage_sf(s)[nt.c0 + 1];
-                const float sg = sm.stage_wsf(s)[0], su = sm.stage_wsf(s)[1];
+                const float sa0 = sm.token_sf(s, nt.c0), sa1 = sm.token_sf(s, nt.c0 + 1);
+                const float sg = sm.weight_sf(s, 0), su = sm.weight_sf(s, 1);
                 float part_g[4], part_u[4];
                 mma::fence_operands(part_g), mma::fence_operands(part_u);
                 mma::warpgroup_arrive();
@@ -1262,8 +1265,8 @@ struct Kernel {
             const uint64_t dt = mma::make_k_major_sw128_desc(sm.stage_a(s));
             const uint64_t db = mma::make_k_major_sw128_desc(sm.mma_b(s) + b_offset);
             if constexpr (kFP8) {
-                const float sb = sm.stage_wsf(s)[0];
-                const float s0 = sm.stage_sf(s)[nt.c0] * sb, s1 = sm.stage_sf(s)[nt.c0 + 1] * sb;
+                const float sb = sm.weight_sf(s, 0);
+                const float s0 = sm.token_sf(s, nt.c0) * sb, s1 = sm.token_sf(s, nt.c0 + 1) * sb;
                 float part[4];
                 mma::fence_operands(part);
                 mma::warpgroup_arrive();
