@@ -25,7 +25,8 @@ echo "tests took $(( $(date +%s) - start )) s, exit $status"
 if [ "${DG_RUN_SANITIZER:-0}" = "1" ]; then
     # memcheck: a normal call and one with out-of-range expert ids; racecheck: shared memory races
     # (one log file: the device returns at most 8 files)
-    for args in "" "--bad-ids" "--ranks 2" "--format fp8xfp4"; do
+    # (--tokens 8: narrow decode tiles; the default 48 tokens: wide ones)
+    for args in "" "--bad-ids" "--ranks 2" "--format fp8xfp4" "--tokens 8" "--tokens 8 --format bf16xbf16 --ranks 2"; do
         timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/one_launch.py $args > /tmp/san.log 2>&1
         rc=$?
         { echo "=== memcheck [$args]: exit $rc"; cat /tmp/san.log; } >> "$OUT/sanitizer.log"
@@ -33,7 +34,7 @@ if [ "${DG_RUN_SANITIZER:-0}" = "1" ]; then
         [ $rc = 0 ] || grep -m 40 -E '=========' /tmp/san.log
     done
     for fmt in fp8xfp8 fp8xfp4; do
-        timeout 300 compute-sanitizer --tool racecheck --error-exitcode 9 python3 scripts/one_launch.py --sms 2 --format $fmt > /tmp/san.log 2>&1
+        timeout 300 compute-sanitizer --tool racecheck --error-exitcode 9 python3 scripts/one_launch.py --sms 2 --tokens 8 --format $fmt > /tmp/san.log 2>&1
         rc=$?
         { echo "=== racecheck $fmt: exit $rc"; cat /tmp/san.log; } >> "$OUT/sanitizer.log"
         echo "racecheck $fmt: exit $rc $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY|calc_diff' /tmp/san.log | tr '\n' ' ')"

@@ -1,9 +1,10 @@
 """One small Mega MoE launch, for debuggers and sanitizers (cuda-gdb, compute-sanitizer).
 
-    python scripts/one_launch.py [--bad-ids] [--sms N] [--ranks R] [--format fp8xfp8|bf16xbf16]
+    python scripts/one_launch.py [--bad-ids] [--sms N] [--ranks R] [--format fp8xfp8|bf16xbf16|fp8xfp4] [--tokens n]
 
 --bad-ids puts out-of-range expert ids (too large, -2) into the routing: the kernel must flag them
-and never use them as an index (run under `compute-sanitizer --tool memcheck`).
+and never use them as an index (run under `compute-sanitizer --tool memcheck`). --tokens 8 gives
+M-blocks of 1-4 tokens (the narrow decode tiles); the default 48, about 12 (the wide ones).
 """
 import argparse
 
@@ -18,10 +19,11 @@ parser.add_argument('--bad-ids', action='store_true')
 parser.add_argument('--sms', type=int, default=8, help='CTAs per rank (sanitizers are slow)')
 parser.add_argument('--ranks', type=int, default=1)
 parser.add_argument('--format', default='fp8xfp8')
+parser.add_argument('--tokens', type=int, default=48, help='tokens per rank')
 args = parser.parse_args()
 
 fmt, (h, i, e, k) = args.format, (512, 256, 16, 4)
-ns = [48] * args.ranks
+ns = [args.tokens] * args.ranks
 w = mc.make_weights(fmt, h, i, e, args.ranks, seed=0)
 bufs = mc.make_buffers(fmt, args.ranks, e, max(ns), k, h, i)
 for b in bufs:
@@ -43,6 +45,6 @@ try:
     status = 'no error recorded'
 except deep_gemm.MegaMoEError as err:
     status = f'recorded: {err}'
-print(f'{fmt} ranks={args.ranks} bad_ids={args.bad_ids}: worst calc_diff {worst:.3e}; {status}', flush=True)
+print(f'{fmt} n={args.tokens} ranks={args.ranks} bad_ids={args.bad_ids}: worst calc_diff {worst:.3e}; {status}', flush=True)
 ok = worst < 3e-4 and (('expert id' in status) if args.bad_ids else status == 'no error recorded')
 raise SystemExit(0 if ok else 1)
