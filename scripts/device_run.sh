@@ -42,7 +42,7 @@ if [ "${DG_RUN_SANITIZER:-0}" = "1" ]; then
     done
     # The tool's own model of two correct patterns the kernel uses (scripts/racecheck_probe.cu)
     if nvcc -arch=sm_90a -o /tmp/racecheck_probe scripts/racecheck_probe.cu > /dev/null 2>&1; then
-        for probe in exchange bulk; do
+        for probe in exchange bulk cpasync; do
             echo "racecheck probe $probe: $(compute-sanitizer --tool racecheck /tmp/racecheck_probe $probe 2>&1 | grep -E 'RACECHECK SUMMARY|probe' | tr '\n' ' ')"
         done
     fi

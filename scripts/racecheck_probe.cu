@@ -6,8 +6,10 @@
 //   bulk:     one producer thread fills a 2-stage ring with cp.async.bulk (complete_tx on a full
 //             mbarrier); 128 consumer threads wait, read with ld.shared, release through an empty
 //             mbarrier (one arrival per warp after __syncwarp)
+//   cpasync:  the same ring filled with 4-byte cp.async whose completion the full mbarrier tracks
+//             (cp.async.mbarrier.arrive, count-neutral), as the kernel brings a stage's weight scales
 //   nvcc -arch=sm_90a -o /tmp/probe scripts/racecheck_probe.cu
-//   compute-sanitizer --tool racecheck /tmp/probe exchange | bulk
+//   compute-sanitizer --tool racecheck /tmp/probe exchange | bulk | cpasync
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -39,6 +41,7 @@ __global__ void exchange(float* out) {
     if (wg == 0) out[tid] = sum;
 }
 
+template <bool kCpAsync>
 __global__ void bulk(const float* src, float* out) {
     __shared__ alignas(128) float stage[2][64];
     __shared__ alignas(8) uint64_t full[2], empty[2];
@@ -55,9 +58,16 @@ __global__ void bulk(const float* src, float* out) {
         for (int it = 0; it < kIters; ++it) {
             const int s = it % 2;
             wait_parity(&empty[s], ((it / 2) & 1) ^ 1);
-            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(sa(&full[s])), "r"(256) : "memory");
-            asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], 256, [%2];\n"
-                         :: "r"(sa(stage[s])), "l"(src + it * 64), "r"(sa(&full[s])) : "memory");
+            if constexpr (kCpAsync) {
+                for (int i = 0; i < 64; ++i)
+                    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" :: "r"(sa(&stage[s][i])), "l"(src + it * 64 + i) : "memory");
+                asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];\n" :: "r"(sa(&full[s])) : "memory");
+                asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(sa(&full[s])) : "memory");
+            } else {
+                asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(sa(&full[s])), "r"(256) : "memory");
+                asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], 256, [%2];\n"
+                             :: "r"(sa(stage[s])), "l"(src + it * 64), "r"(sa(&full[s])) : "memory");
+            }
         }
     } else if (threadIdx.x >= 128) {              // consumers
         const int tid = threadIdx.x - 128;
@@ -74,14 +84,15 @@ __global__ void bulk(const float* src, float* out) {
 }
 
 int main(int argc, char** argv) {
-    const bool run_bulk = argc > 1 and std::strcmp(argv[1], "bulk") == 0;
+    const char* probe = argc > 1 ? argv[1] : "exchange";
     float *src, *out;
     cudaMalloc(&src, 8 * 64 * sizeof(float));
     cudaMalloc(&out, 128 * sizeof(float));
     cudaMemset(src, 0, 8 * 64 * sizeof(float));
-    if (run_bulk) bulk<<<1, 256>>>(src, out);
+    if (std::strcmp(probe, "bulk") == 0) bulk<false><<<1, 256>>>(src, out);
+    else if (std::strcmp(probe, "cpasync") == 0) bulk<true><<<1, 256>>>(src, out);
     else exchange<<<1, 384>>>(out);
     const cudaError_t e = cudaDeviceSynchronize();
-    std::printf("probe %s: %s\n", run_bulk ? "bulk" : "exchange", cudaGetErrorString(e));
+    std::printf("probe %s: %s\n", probe, cudaGetErrorString(e));
     return e == cudaSuccess ? 0 : 1;
 }
