@@ -1,11 +1,12 @@
 """Time the fused kernel alone, for A/B comparisons of kernel changes within one device call.
 
-    python scripts/time_fused.py [--reps R] fmt hidden inter experts topk n [fmt hidden ...]
+    python scripts/time_fused.py [--reps R] [--sys-scope] fmt hidden inter experts topk n [fmt hidden ...]
 
 Per case: median of R CUDA-graph replays of one EP1 call (L2 flushed before each, as in
 `deep_gemm.bench`), no baseline. Run it twice per variant, interleaved (A B A B), with PYTHONPATH
 pointing at each variant's copy of the package (the repository root for the working tree): one device call then compares variants on the
-same GPU, which separate calls (a fresh machine each) cannot.
+same GPU, which separate calls (a fresh machine each) cannot. --sys-scope makes the one rank order
+its signals at system scope, as with peers on other GPUs (SymmBuffer.peers_on_this_gpu = False).
 """
 import argparse
 import os
@@ -20,6 +21,7 @@ from deep_gemm.testing.bench_utils import L2Flusher, capture_graph, event_median
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument('--reps', type=int, default=30)
+    parser.add_argument('--sys-scope', action='store_true', help='system-scope signals, as with remote peers')
     parser.add_argument('case', nargs='+', help='groups of: fmt hidden inter experts topk n')
     args = parser.parse_args()
     if len(args.case) % 6:
@@ -34,13 +36,16 @@ def main() -> None:
         h, i, e, k, n = map(int, args.case[c + 1:c + 6])
         w = mc.make_weights(fmt, h, i, e, 1, seed=0)
         (buf,) = mc.make_buffers(fmt, 1, e, n, k, h, i)
+        if args.sys_scope:
+            buf.peers_on_this_gpu = False
         inputs = mc.make_inputs(fmt, [n], h, e, k, seed=1)
         (y,) = mc.run_ranks(w, inputs, [buf])
         l1, l2 = w.per_rank[0]
         graph, _ = capture_graph(lambda: mega_api.mega_moe_function(fmt)(y, l1, l2, buf))
         us = event_median_us(graph.replay, args.reps, flush)
         buf.check()
-        print(f'{tag}: {fmt} {h}/{i}/{e}/{k} n={n}: {us:.1f} us', flush=True)
+        scope = ' (sys scope)' if args.sys_scope else ''
+        print(f'{tag}{scope}: {fmt} {h}/{i}/{e}/{k} n={n}: {us:.1f} us', flush=True)
         del w, buf, inputs, y, graph
         torch.cuda.empty_cache()
 

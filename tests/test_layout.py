@@ -252,6 +252,15 @@ def test_symm_buffer_repr_and_pending_methods():
         buf.stage(x, idx, w)
 
 
+def test_peers_on_this_gpu_defaults_to_a_single_rank():
+    layout = get_mega_moe_layout(1, 16, 8, 4, 256, 128, 'fp8xfp8')
+    buffer = torch.zeros(layout['num_bytes'], dtype=torch.uint8)
+    kw = dict(rank=0, num_ranks=1, peer_ptrs=[buffer.data_ptr()], group=None, num_experts=16, num_max_tokens_per_rank=8,
+              num_topk=4, hidden=256, intermediate_hidden=128, mma_type='fp8xfp8')
+    assert SymmBuffer(buffer, **kw).peers_on_this_gpu is True
+    assert SymmBuffer(buffer, **kw, peers_on_this_gpu=False).peers_on_this_gpu is False
+
+
 def test_symm_buffer_rejects_bad_mma_type_before_allocating():
     with pytest.raises(ValueError, match='mma_type'):
         get_symm_buffer_for_mega_moe(None, 8, 16, 2, 256, 128, mma_type='fp16', device='cpu')
@@ -269,6 +278,8 @@ def test_virtual_ranks_share_one_peer_table(num_ranks):
         assert r.peer_ptrs == table
         assert r.layout == layout and r.num_local_experts == 16 // num_ranks
         assert int(r.workspace.count_nonzero()) == 0 and bool((r.topk_idx == -1).all())
+        # Virtual ranks stand in for peers on other GPUs: the kernel keeps system-scope signals
+        assert r.peers_on_this_gpu is False
     # Buffers are independent memory
     ranks[0].topk_idx.fill_(3)
     assert bool((ranks[1].topk_idx == -1).all())

@@ -18,7 +18,8 @@ inline void register_apis(py::module_& m) {
              int num_topk, int hidden, int intermediate_hidden, int num_tokens, int64_t y, int64_t l1_weights,
              int64_t l1_weight_scales, int64_t l1_weight_deltas, int64_t l2_weights, int64_t l2_weight_scales,
              int64_t l2_weight_deltas, int64_t stats, int64_t host_status,
-             int64_t trace, int64_t stream, double activation_clamp, bool fast_math, double timeout_s, int num_sms, int max_smem_bytes) {
+             int64_t trace, int64_t stream, double activation_clamp, bool fast_math, double timeout_s, int num_sms, int max_smem_bytes,
+             bool peers_on_this_gpu) {
               if (buffers.empty() or buffers.size() > static_cast<size_t>(kMaxRanks))
                   throw std::invalid_argument("buffers: expected 1.." + std::to_string(kMaxRanks) + " peer addresses");
               if (rank < 0 or rank >= static_cast<int>(buffers.size()))
@@ -32,7 +33,7 @@ inline void register_apis(py::module_& m) {
                                              y, l1_weights, l1_weight_scales, l1_weight_deltas, l2_weights, l2_weight_scales,
                                              l2_weight_deltas, stats,
                                              host_status, trace, stream, activation_clamp, fast_math, timeout_s, num_sms,
-                                             max_smem_bytes};
+                                             max_smem_bytes, peers_on_this_gpu};
               // Nothing is returned: formatting the config on every call would cost host time
               // (DG_PRINT_CONFIGS prints each distinct one once)
               jit_kernels::launch_sm90_mega_moe(a);
@@ -42,7 +43,7 @@ inline void register_apis(py::module_& m) {
           py::arg("num_tokens"), py::arg("y"), py::arg("l1_weights"), py::arg("l1_weight_scales"), py::arg("l1_weight_deltas"),
           py::arg("l2_weights"), py::arg("l2_weight_scales"), py::arg("l2_weight_deltas"), py::arg("stats"), py::arg("host_status"), py::arg("trace"), py::arg("stream"),
           py::arg("activation_clamp"), py::arg("fast_math"), py::arg("timeout_s"), py::arg("num_sms"),
-          py::arg("max_smem_bytes"),
+          py::arg("max_smem_bytes"), py::arg("peers_on_this_gpu") = false,
           "Launch one rank's Mega MoE kernel (addresses as ints; validated by deep_gemm.mega.api).");
 
     m.def("launch_mega_moe_stage",

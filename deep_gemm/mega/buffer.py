@@ -57,6 +57,8 @@ class SymmBuffer:
         workspace:    uint8 view of the workspace (counters, slot tables, status); zero at creation
         layout:       dict from `deep_gemm._C.get_mega_moe_layout` (section -> (offset, num_bytes), sizes)
         peer_ptrs:    every rank's buffer base address (list of num_ranks ints, index = rank)
+        peers_on_this_gpu: True when every rank's buffer is on this GPU (default: a single rank); the
+                      kernel then orders cross-rank signals at gpu scope instead of system scope
         rank, num_ranks, group, num_experts, num_local_experts, num_max_tokens_per_rank, num_topk,
         hidden, intermediate_hidden, mma_type (the string)
 
@@ -67,7 +69,7 @@ class SymmBuffer:
     def __init__(self, buffer: torch.Tensor, *, rank: int, num_ranks: int, peer_ptrs: Sequence[int], group,
                  num_experts: int, num_max_tokens_per_rank: int, num_topk: int, hidden: int,
                  intermediate_hidden: int, mma_type: str, layout: Optional[Dict[str, object]] = None,
-                 handle=None) -> None:
+                 handle=None, peers_on_this_gpu: Optional[bool] = None) -> None:
         if layout is None:
             layout = get_mega_moe_layout(num_ranks, num_experts, num_max_tokens_per_rank, num_topk, hidden,
                                          intermediate_hidden, mma_type)
@@ -92,6 +94,9 @@ class SymmBuffer:
         self.layout = layout
         self.buffer = buffer
         self.peer_ptrs: List[int] = [int(p) for p in peer_ptrs]
+        # Every peer buffer on this GPU (one rank, or virtual ranks): the kernel orders what crosses
+        # ranks at gpu scope instead of system scope. Default: only for a single rank.
+        self.peers_on_this_gpu: bool = num_ranks == 1 if peers_on_this_gpu is None else bool(peers_on_this_gpu)
         # Keeps the symmetric-memory mapping (and so every peer pointer) alive with the buffer
         self._handle = handle
         # CTAs of this rank's persistent grid; None = `deep_gemm.get_num_sms()`. Virtual ranks

@@ -49,4 +49,5 @@ def launch_mega_moe(kind: str, y: torch.Tensor, l1, l2, buf, stats: Optional[tor
         trace=0 if getattr(buf, '_trace', None) is None else buf._trace.data_ptr(),
         stream=torch.cuda.current_stream(y.device).cuda_stream,
         activation_clamp=0.0 if activation_clamp is None else float(activation_clamp), fast_math=bool(fast_math),
-        timeout_s=status.get_timeout(), num_sms=int(num_sms), max_smem_bytes=_max_smem(y.device))
+        timeout_s=status.get_timeout(), num_sms=int(num_sms), max_smem_bytes=_max_smem(y.device),
+        peers_on_this_gpu=bool(buf.peers_on_this_gpu))

@@ -77,6 +77,7 @@ struct SM90MegaMoEArgs {
     double timeout_s;
     int num_sms;                    // CTAs for this rank's launch
     int max_smem_bytes;
+    bool peers_on_this_gpu = false; // every rank's buffer on this GPU (EP1, virtual ranks): gpu-scope signals
 };
 
 inline CUtensorMap make_kmajor_tma(int64_t ptr, CUtensorMapDataType dtype, uint64_t k, uint64_t rows, uint32_t box_k,
@@ -114,6 +115,7 @@ inline MegaMoEConfig launch_sm90_mega_moe(const SM90MegaMoEArgs& a) {
     params.timeout_ns = static_cast<uint64_t>(a.timeout_s * 1e9);
     params.host_status = reinterpret_cast<uint64_t*>(a.host_status);
     params.trace = reinterpret_cast<uint64_t*>(a.trace);
+    params.peers_on_this_gpu = a.peers_on_this_gpu ? 1 : 0;
     // Tuning aid (docs/KERNEL.md): DG_MEGA_MOE_PREFETCH_STAGES caps the weight prefetch; default all stages
     static const int prefetch_override = [] {
         const std::string v = jit::get_env("DG_MEGA_MOE_PREFETCH_STAGES");

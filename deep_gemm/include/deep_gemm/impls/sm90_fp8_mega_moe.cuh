@@ -217,6 +217,15 @@ struct Kernel {
     template <typename T>
     __device__ T* peer(int rank, const L::Section& s) const { return lay.get_ptr<T>(p.buffers[rank], s); }
 
+    // Ordering of what crosses ranks (counts, source indices, combine rows and flags): system scope
+    // when peers are other GPUs, gpu scope when every rank's buffer is on this one (a sys-scope
+    // fence costs far more, and the L2 tasks and the combine signal pay it on the decode chain)
+    __device__ void fence_peers() const { if (p.peers_on_this_gpu) fence_acq_rel_gpu(); else fence_acq_rel_sys(); }
+    __device__ uint64_t ld_acquire_peers(const uint64_t* a) const { return p.peers_on_this_gpu ? ld_acquire_gpu_u64(a) : ld_acquire_sys(a); }
+    __device__ void st_release_peers(uint64_t* a, uint64_t v) const {
+        if (p.peers_on_this_gpu) st_release_gpu_u64(a, v); else st_release_sys(a, v);
+    }
+
     // A first-only stamp is decided in shared memory: a global read of the stamp would put an L2
     // round trip (~0.5 us) in front of every stamp and distort the timeline it records
     __device__ void trace(int slot, bool first_only = false) const {
@@ -268,12 +277,12 @@ struct Kernel {
             peer<int>(owner, lay.src_index)[(static_cast<int64_t>(le) * lay.num_ranks + p.rank) * n_max + slot] = i;
         }
         // release: the owner's pull must see the source indices written above
-        __threadfence_system();
+        fence_peers();
         __syncthreads();
         for (int e = threadIdx.x; e < num_experts; e += kNumThreads) {
             const int owner = e / lay.num_local_experts, le = e % lay.num_local_experts;
             const uint64_t count = min_of(counts[e], n_max);
-            st_release_sys(peer<uint64_t>(owner, lay.recv_count) + le * lay.num_ranks + p.rank, (static_cast<uint64_t>(epoch) << 32) | count);
+            st_release_peers(peer<uint64_t>(owner, lay.recv_count) + le * lay.num_ranks + p.rank, (static_cast<uint64_t>(epoch) << 32) | count);
         }
         // The scratch counts live in stage 0, which TMA (async proxy) writes next
         fence_proxy_async_shared();
@@ -289,7 +298,7 @@ struct Kernel {
         for (int i = threadIdx.x; i < num_le * num_ranks; i += kNumThreads) {
             uint64_t v = 0;
             const bool ok = bounded_wait(p, sm.ctrl, Phase::kRecvCounts, i % num_ranks, [&] {
-                v = ld_acquire_sys(recv + i);
+                v = ld_acquire_peers(recv + i);
                 return (v >> 32) >= epoch;
             });
             if (not ok) break;
@@ -475,7 +484,7 @@ struct Kernel {
         // acquire: every rank has written its L2 rows for our tokens
         if (group_thread < lay.num_ranks) {
             const auto* flag = mine<uint64_t>(lay.combine_ready) + group_thread;
-            bounded_wait(p, sm.ctrl, Phase::kCombineWait, group_thread, [&] { return ld_acquire_sys(flag) >= epoch; });
+            bounded_wait(p, sm.ctrl, Phase::kCombineWait, group_thread, [&] { return ld_acquire_peers(flag) >= epoch; });
         }
         named_barrier(group_barrier, group_threads);
         if (sm.ctrl->abort) return;
@@ -1080,13 +1089,13 @@ struct Kernel {
         finish_l2_task(mt);
     }
 
-    // After a warpgroup's combine-row stores of an L2 task. Release (system scope): the source
-    // rank's combine reads these rows after our signal. One fence after the barrier covers every
+    // After a warpgroup's combine-row stores of an L2 task. Release (fence_peers: system scope
+    // when peers are other GPUs): the source rank's combine reads these rows after our signal. One fence after the barrier covers every
     // thread's stores (cumulativity).
     __device__ void finish_l2_task(const MathThread& mt) {
         named_barrier(kBarrierMathBase + mt.wg, 128);
         if (mt.tid == 0) {
-            fence_acq_rel_sys();
+            fence_peers();
             const uint32_t target = static_cast<uint32_t>(tasks.num_mblocks * tasks.num_l2_nblocks * kNumMathWGs);
             if (atom_acq_rel_gpu_add(mine<uint32_t>(lay.control) + L::kControlL2TasksDone, 1) + 1 == target)
                 signal_combine_ready();
@@ -1321,9 +1330,9 @@ struct Kernel {
 
     // All of this rank's L2 rows are out: tell every source rank
     __device__ void signal_combine_ready() const {
-        fence_acq_rel_sys();
+        fence_peers();
         for (int r = 0; r < lay.num_ranks; ++r)
-            st_release_sys(lay.get_ptr<uint64_t>(p.buffers[r], lay.combine_ready) + p.rank, epoch);
+            st_release_peers(lay.get_ptr<uint64_t>(p.buffers[r], lay.combine_ready) + p.rank, epoch);
     }
 
     __device__ void math(int wg) {
@@ -1457,7 +1466,7 @@ struct Kernel {
             // waits for it in its combine tasks, but a rank with n = 0 has none: one CTA waits here.
             if (ctrl->first_task == 0 and threadIdx.x < static_cast<unsigned>(lay.num_ranks)) {
                 const auto* flag = mine<uint64_t>(lay.combine_ready) + threadIdx.x;
-                bounded_wait(p, sm.ctrl, Phase::kCombineWait, threadIdx.x, [&] { return ld_acquire_sys(flag) >= epoch; });
+                bounded_wait(p, sm.ctrl, Phase::kCombineWait, threadIdx.x, [&] { return ld_acquire_peers(flag) >= epoch; });
             }
         }
 

@@ -145,6 +145,12 @@ __device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
     return v;
 }
 
+__device__ __forceinline__ uint64_t ld_acquire_gpu_u64(const uint64_t* p) {
+    uint64_t v;
+    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];\n" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
 __device__ __forceinline__ uint64_t ld_volatile(const uint64_t* p) {
     uint64_t v;
     asm volatile("ld.volatile.global.u64 %0, [%1];\n" : "=l"(v) : "l"(p) : "memory");
@@ -153,6 +159,10 @@ __device__ __forceinline__ uint64_t ld_volatile(const uint64_t* p) {
 
 __device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
     asm volatile("st.release.sys.global.u64 [%0], %1;\n" :: "l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ void st_release_gpu_u64(uint64_t* p, uint64_t v) {
+    asm volatile("st.release.gpu.global.u64 [%0], %1;\n" :: "l"(p), "l"(v) : "memory");
 }
 
 __device__ __forceinline__ void red_release_gpu_add(uint32_t* p, uint32_t v) {
