@@ -812,7 +812,7 @@ struct Kernel {
 
     // L1 (column c of gate pairs with column c of up). Also returns the top-k weights of this
     // thread's two rows (read while the MMAs run).
-    __device__ bool l1_mainloop(int m, int le, int j, uint32_t& stage_iter, const MathThread& mt, float (&acc)[kL1Acc], float (&row_w)[2]) {
+    __device__ bool l1_mainloop(int m, uint32_t& stage_iter, const MathThread& mt, float (&acc)[kL1Acc], float (&row_w)[2]) {
         const int num_kb = lay.hidden / BLOCK_K;
         const int64_t g0 = static_cast<int64_t>(m) * BLOCK_M + mt.row_in_tile(0);
         // Issued while the first MMAs run, used in the epilogue (ordered after the pull's writes by
@@ -921,7 +921,7 @@ struct Kernel {
         return true;
     }
 
-    __device__ bool l2_mainloop(int m, int le, int j, uint32_t& stage_iter, const MathThread& mt, float (&acc)[kL2Acc]) {
+    __device__ bool l2_mainloop(uint32_t& stage_iter, const MathThread& mt, float (&acc)[kL2Acc]) {
         const int num_kb = lay.intermediate_hidden / BLOCK_K;
         const uint32_t a_offset = mt.row0() * 128, b_offset = kSplitN ? mt.wg * 64 * 128 : 0;
         if constexpr (kFP8) {
@@ -1089,9 +1089,9 @@ struct Kernel {
         finish_l2_task(mt);
     }
 
-    // After a warpgroup's combine-row stores of an L2 task. Release (fence_peers: system scope
-    // when peers are other GPUs): the source rank's combine reads these rows after our signal. One fence after the barrier covers every
-    // thread's stores (cumulativity).
+    // After a warpgroup's combine-row stores of an L2 task. Release (fence_peers: system scope when
+    // peers are other GPUs): the source rank's combine reads these rows after our signal. One fence
+    // after the barrier covers every thread's stores (cumulativity).
     __device__ void finish_l2_task(const MathThread& mt) {
         named_barrier(kBarrierMathBase + mt.wg, 128);
         if (mt.tid == 0) {
@@ -1357,7 +1357,7 @@ struct Kernel {
                     if (not narrow_l1_mainloop(m, stage_iter, mt, gate, up, tok_w)) break;
                     narrow_l1_epilogue(m, j, rows, mt, gate, up, tok_w);
                 } else {
-                    if (not l1_mainloop(m, le, j, stage_iter, mt, acc, row_w)) break;
+                    if (not l1_mainloop(m, stage_iter, mt, acc, row_w)) break;
                     l1_epilogue(m, j, rows, mt, acc, row_w);
                 }
                 if (mt.tid == 0 and mt.wg == 0) trace(kTraceL1End);
@@ -1371,7 +1371,7 @@ struct Kernel {
                     if (not narrow_l2_mainloop(stage_iter, mt, narrow_acc)) break;
                     narrow_l2_epilogue(m, j, rows, mt, narrow_acc);
                 } else {
-                    if (not l2_mainloop(m, le, j, stage_iter, mt, acc)) break;
+                    if (not l2_mainloop(stage_iter, mt, acc)) break;
                     l2_epilogue(m, j, rows, mt, acc);
                 }
                 if (mt.tid == 0) trace(kTraceL2End);
