@@ -38,4 +38,8 @@ for _ in 1 2; do
     for d in $VARIANTS; do
         PYTHONPATH=/tmp/site:$d python3 scripts/time_fused.py "$@" 2>&1 | tee -a "$OUT/ab.log"
     done
+    # Environment variants of the working tree (AB_ENVS="DG_X=1 DG_Y=2": one variant each)
+    for e in ${AB_ENVS:-}; do
+        env "$e" PYTHONPATH=/tmp/site:$PWD python3 scripts/time_fused.py "$@" 2>&1 | tee -a "$OUT/ab.log"
+    done
 done
