@@ -5,7 +5,9 @@
 #   A = the working tree. A variant is either
 #     ab/<name>.cuh  a copy of impls/sm90_fp8_mega_moe.cuh, run with the working tree's package, or
 #     ab/<name>/     a whole source tree (`git archive <commit> | tar -x -C ab/<name>`): its own _C is
-#                    built here, for variants that change headers or heuristics too
+#                    built here, for variants that change headers or heuristics too, or
+#     AB_ENVS="DG_MEGA_MOE_L2_BLOCK_N=128 ..."  the working tree under each VAR=VALUE (tuning aids,
+#                    read once per process)
 #   bash scripts/ab_prebuild.sh fp8xfp8 bf16xbf16             # on the CPU machine: every variant's cubins
 #   run(command="AB_TESTS='tests/test_mega_moe_gpu.py' bash scripts/ab_run.sh fp8xfp8 2048 768 128 8 1 ...",
 #       carry=[".whl", ".jit_cache", "ab"])

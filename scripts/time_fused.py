@@ -31,6 +31,8 @@ def main() -> None:
             parser.error(f'format {args.case[c]!r}: expected {" / ".join(mega_api.MEGA_MOE_FUNCTIONS)}')
     flush = L2Flusher(torch.device('cuda'))
     tag = os.path.dirname(os.path.dirname(os.path.abspath(mega_api.__file__)))
+    # tuning aids set for this run (AB_ENVS in scripts/ab_run.sh) name the variant too
+    tag += ''.join(f' {k}={v}' for k, v in sorted(os.environ.items()) if k.startswith('DG_MEGA_MOE_'))
     for c in range(0, len(args.case), 6):
         fmt = args.case[c]
         h, i, e, k, n = map(int, args.case[c + 1:c + 6])
