@@ -131,7 +131,6 @@ struct Kernel {
     static constexpr int kStageExtraBytes = mega_moe_stage_extra_bytes(kMmaType, BLOCK_M);
     static constexpr int kStageDeltaBytes = mega_moe_stage_deltas_bytes(kMmaType);
     static constexpr int kNumMathThreads = 128 * kNumMathWGs;
-    static constexpr int kKStepsPerStage = 128 / mma::kWgmmaKBytes;
     static constexpr int kNumRingConsumers = kNumDispatchThreads + 128 * kNumMathWGs;
     static_assert(kStageBytes == kABytes + (kFP4 ? kMegaMoEBlockNL1 * kMegaMoEPackedRowBytes : kBBytesL1));
     static_assert(kStageExtraBytes % 16 == 0 and kStageSfBytes % 16 == 0 and kStageDeltaBytes % 16 == 0,
@@ -743,6 +742,13 @@ struct Kernel {
                                      [&] { return mbarrier_try_wait(sm.full + s, (stage_iter / kNumStages) & 1); });
         return not math_any(not ok or ld_volatile_shared_s32(smem_addr(&sm.ctrl->abort)), mt);
     }
+    // wait_full for L1 K-block kb, with its trace stamps (scripts/trace.py: first stage, K-block cadence)
+    __device__ bool wait_full_l1(int kb, uint32_t stage_iter, const MathThread& mt) {
+        if (not wait_full(stage_iter, mt)) return false;
+        if (kb == 0 and mt.tid == 0) trace(kTraceL1FirstStage, true);
+        if (kb < kTraceKbSlots and mt.tid == 0 and mt.wg == 0) trace(kTraceKbReady + kb, true);
+        return true;
+    }
     // Every lane's reads of the stage (wgmma and the scales in it) happen before its warp's arrival
     __device__ void release_stage(uint32_t stage_iter, const MathThread& mt) {
         __syncwarp();
@@ -829,9 +835,7 @@ struct Kernel {
             #pragma unroll
             for (int i = 0; i < kL1Acc; ++i) acc[i] = 0.0f;
             for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
-                if (not wait_full(stage_iter, mt)) return false;
-                if (kb == 0 and mt.tid == 0) trace(kTraceL1FirstStage, true);
-                if (kb < kTraceKbSlots and mt.tid == 0 and mt.wg == 0) trace(kTraceKbReady + kb, true);
+                if (not wait_full_l1(kb, stage_iter, mt)) return false;
                 const int s = stage_iter % kNumStages;
                 if constexpr (kFP4) expand_fp4_tile<kMegaMoEBlockNL1>(s);
                 const float sa0 = sm.token_sf(s, mt.row_in_tile(0)), sa1 = sm.token_sf(s, mt.row_in_tile(1));
@@ -844,12 +848,8 @@ struct Kernel {
                     float part_g[32], part_u[32];
                     mma::fence_operands(part_g), mma::fence_operands(part_u);
                     mma::warpgroup_arrive();
-                    #pragma unroll
-                    for (int ks = 0; ks < kKStepsPerStage; ++ks)
-                        mma::FP8MmaN64::fma(mma::advance_desc(da, ks * mma::kWgmmaKBytes), mma::advance_desc(dg, ks * mma::kWgmmaKBytes), part_g, ks > 0);
-                    #pragma unroll
-                    for (int ks = 0; ks < kKStepsPerStage; ++ks)
-                        mma::FP8MmaN64::fma(mma::advance_desc(da, ks * mma::kWgmmaKBytes), mma::advance_desc(du, ks * mma::kWgmmaKBytes), part_u, ks > 0);
+                    mma::FP8MmaN64::fma_k_block(da, dg, part_g, false);
+                    mma::FP8MmaN64::fma_k_block(da, du, part_u, false);
                     mma::warpgroup_commit();
                     if (kb == 0) read_task_inputs();
                     mma::warpgroup_wait<0>();
@@ -867,10 +867,7 @@ struct Kernel {
                     for (int half = 0; half < 2; ++half) {
                         mma::fence_operands(part);
                         mma::warpgroup_arrive();
-                        #pragma unroll
-                        for (int ks = 0; ks < kKStepsPerStage; ++ks)
-                            mma::FP8MmaN128::fma(mma::advance_desc(da, ks * mma::kWgmmaKBytes),
-                                                 mma::advance_desc(half == 0 ? dg : du, ks * mma::kWgmmaKBytes), part, ks > 0);
+                        mma::FP8MmaN128::fma_k_block(da, half == 0 ? dg : du, part, false);
                         mma::warpgroup_commit();
                         if (kb == 0 and half == 0) read_task_inputs();
                         mma::warpgroup_wait<0>();
@@ -897,19 +894,10 @@ struct Kernel {
                 mma::fence_operands(acc);
                 mma::warpgroup_arrive();
                 if constexpr (kSplitN) {
-                    #pragma unroll
-                    for (int ks = 0; ks < kKStepsPerStage; ++ks)
-                        mma::BF16MmaN64::fma(mma::advance_desc(da, ks * mma::kWgmmaKBytes), mma::advance_desc(dg, ks * mma::kWgmmaKBytes),
-                                             acc_g, kb > 0 or ks > 0);
-                    #pragma unroll
-                    for (int ks = 0; ks < kKStepsPerStage; ++ks)
-                        mma::BF16MmaN64::fma(mma::advance_desc(da, ks * mma::kWgmmaKBytes), mma::advance_desc(du, ks * mma::kWgmmaKBytes),
-                                             acc_u, kb > 0 or ks > 0);
+                    mma::BF16MmaN64::fma_k_block(da, dg, acc_g, kb > 0);
+                    mma::BF16MmaN64::fma_k_block(da, du, acc_u, kb > 0);
                 } else {
-                    #pragma unroll
-                    for (int ks = 0; ks < kKStepsPerStage; ++ks)
-                        mma::BF16MmaN256::fma(mma::advance_desc(da, ks * mma::kWgmmaKBytes), mma::advance_desc(dg, ks * mma::kWgmmaKBytes),
-                                              acc, kb > 0 or ks > 0);
+                    mma::BF16MmaN256::fma_k_block(da, dg, acc, kb > 0);
                 }
                 mma::warpgroup_commit();
                 if (kb == 0) read_task_inputs();
@@ -938,9 +926,7 @@ struct Kernel {
                 const uint64_t db = mma::make_k_major_sw128_desc(sm.mma_b(s) + b_offset);
                 mma::fence_operands(part);
                 mma::warpgroup_arrive();
-                #pragma unroll
-                for (int ks = 0; ks < kKStepsPerStage; ++ks)
-                    FP8L2Mma::fma(mma::advance_desc(da, ks * mma::kWgmmaKBytes), mma::advance_desc(db, ks * mma::kWgmmaKBytes), part, ks > 0);
+                FP8L2Mma::fma_k_block(da, db, part, false);
                 mma::warpgroup_commit();
                 mma::warpgroup_wait<0>();
                 mma::fence_operands(part);
@@ -956,10 +942,7 @@ struct Kernel {
                 const uint64_t db = mma::make_k_major_sw128_desc(sm.mma_b(s) + b_offset);
                 mma::fence_operands(acc);
                 mma::warpgroup_arrive();
-                #pragma unroll
-                for (int ks = 0; ks < kKStepsPerStage; ++ks)
-                    BF16L2Mma::fma(mma::advance_desc(da, ks * mma::kWgmmaKBytes), mma::advance_desc(db, ks * mma::kWgmmaKBytes),
-                                   acc, kb > 0 or ks > 0);
+                BF16L2Mma::fma_k_block(da, db, acc, kb > 0);
                 mma::warpgroup_commit();
                 mma::warpgroup_wait<0>();
                 mma::fence_operands(acc);
@@ -1127,9 +1110,7 @@ struct Kernel {
         #pragma unroll
         for (int i = 0; i < 4; ++i) gate[i] = up[i] = 0.0f;
         for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
-            if (not wait_full(stage_iter, mt)) return false;
-            if (kb == 0 and mt.tid == 0) trace(kTraceL1FirstStage, true);
-            if (kb < kTraceKbSlots and mt.tid == 0 and mt.wg == 0) trace(kTraceKbReady + kb, true);
+            if (not wait_full_l1(kb, stage_iter, mt)) return false;
             const int s = stage_iter % kNumStages;
             if constexpr (kFP4) expand_fp4_tile<kMegaMoEBlockNL1>(s);
             const uint64_t dt = mma::make_k_major_sw128_desc(sm.stage_a(s));
@@ -1141,12 +1122,8 @@ struct Kernel {
                 float part_g[4], part_u[4];
                 mma::fence_operands(part_g), mma::fence_operands(part_u);
                 mma::warpgroup_arrive();
-                #pragma unroll
-                for (int ks = 0; ks < kKStepsPerStage; ++ks)
-                    mma::FP8MmaN8::fma(mma::advance_desc(dg, ks * mma::kWgmmaKBytes), mma::advance_desc(dt, ks * mma::kWgmmaKBytes), part_g, ks > 0);
-                #pragma unroll
-                for (int ks = 0; ks < kKStepsPerStage; ++ks)
-                    mma::FP8MmaN8::fma(mma::advance_desc(du, ks * mma::kWgmmaKBytes), mma::advance_desc(dt, ks * mma::kWgmmaKBytes), part_u, ks > 0);
+                mma::FP8MmaN8::fma_k_block(dg, dt, part_g, false);
+                mma::FP8MmaN8::fma_k_block(du, dt, part_u, false);
                 mma::warpgroup_commit();
                 if (kb == 0) narrow_read_token_weights(m, nt, tok_w);
                 mma::warpgroup_wait<0>();
@@ -1160,14 +1137,8 @@ struct Kernel {
             } else {
                 mma::fence_operands(gate), mma::fence_operands(up);
                 mma::warpgroup_arrive();
-                #pragma unroll
-                for (int ks = 0; ks < kKStepsPerStage; ++ks)
-                    mma::BF16MmaN8::fma(mma::advance_desc(dg, ks * mma::kWgmmaKBytes), mma::advance_desc(dt, ks * mma::kWgmmaKBytes),
-                                        gate, kb > 0 or ks > 0);
-                #pragma unroll
-                for (int ks = 0; ks < kKStepsPerStage; ++ks)
-                    mma::BF16MmaN8::fma(mma::advance_desc(du, ks * mma::kWgmmaKBytes), mma::advance_desc(dt, ks * mma::kWgmmaKBytes),
-                                        up, kb > 0 or ks > 0);
+                mma::BF16MmaN8::fma_k_block(dg, dt, gate, kb > 0);
+                mma::BF16MmaN8::fma_k_block(du, dt, up, kb > 0);
                 mma::warpgroup_commit();
                 if (kb == 0) narrow_read_token_weights(m, nt, tok_w);
                 mma::warpgroup_wait<0>();
@@ -1279,9 +1250,7 @@ struct Kernel {
                 float part[4];
                 mma::fence_operands(part);
                 mma::warpgroup_arrive();
-                #pragma unroll
-                for (int ks = 0; ks < kKStepsPerStage; ++ks)
-                    mma::FP8MmaN8::fma(mma::advance_desc(db, ks * mma::kWgmmaKBytes), mma::advance_desc(dt, ks * mma::kWgmmaKBytes), part, ks > 0);
+                mma::FP8MmaN8::fma_k_block(db, dt, part, false);
                 mma::warpgroup_commit();
                 mma::warpgroup_wait<0>();
                 mma::fence_operands(part);
@@ -1291,10 +1260,7 @@ struct Kernel {
             } else {
                 mma::fence_operands(acc);
                 mma::warpgroup_arrive();
-                #pragma unroll
-                for (int ks = 0; ks < kKStepsPerStage; ++ks)
-                    mma::BF16MmaN8::fma(mma::advance_desc(db, ks * mma::kWgmmaKBytes), mma::advance_desc(dt, ks * mma::kWgmmaKBytes),
-                                        acc, kb > 0 or ks > 0);
+                mma::BF16MmaN8::fma_k_block(db, dt, acc, kb > 0);
                 mma::warpgroup_commit();
                 mma::warpgroup_wait<0>();
                 mma::fence_operands(acc);

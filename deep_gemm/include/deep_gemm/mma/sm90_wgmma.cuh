@@ -38,6 +38,11 @@ __device__ __forceinline__ void fence_operands(float (&d)[N]) {
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
 }
 
+// Bytes one wgmma instruction consumes along K (32 FP8 or 16 BF16 elements), and instructions per
+// 128-byte K-block (one swizzle row: a pipeline stage)
+constexpr uint32_t kWgmmaKBytes = 32;
+constexpr int kWgmmaStepsPerKBlock = 128 / kWgmmaKBytes;
+
 template <typename Atom, int N>
 struct WgmmaSS {
     static constexpr int kNumAccum = N;
@@ -49,6 +54,13 @@ struct WgmmaSS {
 
     __device__ __forceinline__ static void fma(uint64_t desc_a, uint64_t desc_b, float (&d)[N], bool accumulate) {
         call(desc_a, desc_b, d, accumulate, std::make_index_sequence<N>{});
+    }
+
+    // One 128-byte K-block: its K steps, the first accumulating into `d` only when `accumulate`
+    __device__ __forceinline__ static void fma_k_block(uint64_t desc_a, uint64_t desc_b, float (&d)[N], bool accumulate) {
+        #pragma unroll
+        for (int ks = 0; ks < kWgmmaStepsPerKBlock; ++ks)
+            fma(advance_desc(desc_a, ks * kWgmmaKBytes), advance_desc(desc_b, ks * kWgmmaKBytes), d, accumulate or ks > 0);
     }
 };
 
@@ -62,8 +74,5 @@ using BF16MmaN8 = WgmmaSS<cute::SM90::GMMA::MMA_64x8x16_F32BF16BF16_SS<cute::SM9
 using BF16MmaN64 = WgmmaSS<cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>, 32>;
 using BF16MmaN128 = WgmmaSS<cute::SM90::GMMA::MMA_64x128x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>, 64>;
 using BF16MmaN256 = WgmmaSS<cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>, 128>;
-
-// Bytes one wgmma instruction consumes along K (32 FP8 or 16 BF16 elements)
-constexpr uint32_t kWgmmaKBytes = 32;
 
 }  // namespace deep_gemm::mma
