@@ -13,7 +13,9 @@
 #       carry=[".whl", ".jit_cache", "ab"])
 #
 # Builds _C, runs $AB_TESTS (default: the layout tests) on A, then scripts/time_fused.py on A and on
-# every variant, interleaved twice (A V1 V2 A V1 V2); log in $OUT/ab.log.
+# every variant, interleaved twice (A V1 V2 A V1 V2); log in $OUT/ab.log. AB_TREE_TESTS="tests/x.py -k y"
+# also runs those pytest args in every ab/<name>/ tree after its build (a branch checked in the same
+# call it is timed in; log in $OUT/tree_tests.log).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -32,6 +34,11 @@ for v in ab/*/; do
     d=/tmp/ab_$(basename "$v")
     rm -rf "$d" && cp -r "$v" "$d"
     (cd "$d" && PYTHONPATH=/tmp/site python3 setup.py build_ext --inplace -q --force > build.log 2>&1) || { echo "build of $v failed"; tail -20 "$d/build.log"; }
+    if [ -n "${AB_TREE_TESTS:-}" ]; then
+        echo "=== $v: pytest $AB_TREE_TESTS" | tee -a "$OUT/tree_tests.log"
+        (cd "$d" && PYTHONPATH=/tmp/site:$d timeout 300 python3 -m pytest -q -x -p no:cacheprovider $AB_TREE_TESTS 2>&1) \
+            | tee -a "$OUT/tree_tests.log" | tail -4
+    fi
     VARIANTS="$VARIANTS $d"
 done
 PYTHONPATH=/tmp/site:$PWD python3 -c "from scripts.trace import warm_up_gpu; warm_up_gpu()"
