@@ -106,6 +106,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument('--virtual', action='store_true',
                         help='with --ep N: N virtual ranks on one GPU even when N GPUs are visible')
     parser.add_argument('--reps', type=_positive_int, help=f'timed replays per row (default {DEFAULT_REPS})')
+    parser.add_argument('--timeout', type=float, metavar='S',
+                        help='with --ep N on N GPUs: terminate the N processes after S seconds (default: no limit); '
+                             'rows finished by then stay in --json')
     parser.add_argument('--json', metavar='PATH', help='write every row and the run\'s metadata as JSON')
     parser.add_argument('--plot', metavar='PATH', help='write a PNG: latency and %% of roofline vs tokens')
     args = parser.parse_args(argv)
@@ -116,6 +119,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args.tokens = list(args.tokens or (QUICK_TOKENS if quick else EP_TOKENS if real_ep else DEFAULT_TOKENS))
     args.formats = list(args.formats or (QUICK_FORMATS if quick else MMA_TYPES))
     args.reps = args.reps or (QUICK_REPS if quick else DEFAULT_REPS)
+    if args.timeout is not None and not args.timeout > 0:
+        parser.error(f'--timeout {args.timeout}: expected a positive number of seconds')
     for name in args.shapes:
         if SHAPES[name].num_experts % args.ep:
             parser.error(f'--ep {args.ep}: {name} has {SHAPES[name].num_experts} experts, not a multiple of {args.ep}')

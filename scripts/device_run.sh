@@ -7,17 +7,7 @@
 # .whl holds nvidia-cutlass (CuTe headers); .jit_cache holds kernels compiled on the CPU machine
 # (`python scripts/prebuild_kernels.py`), so nvcc time is not spent on device time.
 set -uo pipefail
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-export DG_JIT_CACHE_DIR=$PWD/.jit_cache
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    > /tmp/pip.log 2>&1 || { cat /tmp/pip.log; exit 1; }
-export PYTHONPATH=/tmp/site:$PWD
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
-source scripts/device_compiler.sh
-python3 setup.py build_ext --inplace -q --force > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+source scripts/device_setup.sh
 start=$(date +%s)
 python3 -m pytest -q -x -p no:cacheprovider --timeout=300 "${@:-tests}" 2>&1 | tee "$OUT/tests.log" | tail -40
 status=${PIPESTATUS[0]}

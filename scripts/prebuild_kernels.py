@@ -1,11 +1,24 @@
-"""Compile every Mega MoE kernel variant the heuristics can pick on an H100/H200, for sm_90a.
+"""Compile Mega MoE kernel variants for sm_90a into the JIT cache, on a machine without a GPU.
 
 Run on the CPU machine before a device call and carry DG_JIT_CACHE_DIR (default ./.jit_cache):
-the cache key holds no machine-specific path, so the device finds these cubins. Also compiles the
-input-staging kernels and the helper kernels of tests/test_faults_gpu.py.
+the cache key holds no machine-specific path, so the device finds these cubins (as long as its
+nvcc reports the same version: the key hashes `nvcc --version`; a miss there compiles on the
+device, a few seconds per variant).
 
-    DG_JIT_CACHE_DIR=.jit_cache python scripts/prebuild_kernels.py
+    DG_JIT_CACHE_DIR=.jit_cache python scripts/prebuild_kernels.py [FORMAT ...]
+        every variant the heuristics can pick on an H100/H200 (both BLOCK_M, fast and exact math),
+        the input-staging kernels and the helper kernels of tests/test_faults_gpu.py
+    python scripts/prebuild_kernels.py --ep 2 fp8xfp8 fp8xfp4 bf16xbf16
+        exactly what scripts/device_ep.sh runs on 2 GPUs: the variants the launcher picks with 2
+        ranks for every token count of tests/test_multi_gpu.py (EP check shapes, n = 0..n_max) and
+        of `python -m deep_gemm.bench --ep 2` (its default shapes and tokens), fast math, and the
+        staging kernels
+    --list: print the variants, compile nothing
+
+FORMAT: fp8xfp8, fp8xfp4, bf16xbf16 (default: fp8xfp8 bf16xbf16). Each kernel prints one line
+`<key>: <seconds> s (cached|compiled) -> <cache dir>`.
 """
+import argparse
 import os
 import sys
 import time
@@ -15,34 +28,114 @@ os.environ.setdefault('DG_JIT_CACHE_DIR', os.path.join(os.path.dirname(os.path.d
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import deep_gemm  # noqa: E402,F401
 from deep_gemm import _C  # noqa: E402
-from deep_gemm.mega.buffer import mma_type_to_int  # noqa: E402
+from deep_gemm.mega.buffer import MMA_TYPES, mma_type_to_int  # noqa: E402
 
 H200_SMEM = 232448
+H200_SMS = 132
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_FORMATS = ('fp8xfp8', 'bf16xbf16')
 
 
-def variants(formats=('fp8xfp8', 'bf16xbf16')):
+def _key(fmt, n, num_ranks, experts, topk, hidden, inter, fast):
+    c = _C.get_mega_moe_config(mma_type_to_int(fmt), num_ranks, experts, topk, hidden, inter, n, H200_SMS, H200_SMEM)
+    return (mma_type_to_int(fmt), c['block_m'], c['num_stages'], fast)
+
+
+def variants(formats=DEFAULT_FORMATS):
+    """Every (mma_type, block_m, num_stages, fast_math) the heuristics can pick on an H200."""
     seen = set()
     for fmt in formats:
         for n in (1, 1 << 16):   # decode picks BLOCK_M 64, prefill 128
-            c = _C.get_mega_moe_config(mma_type_to_int(fmt), 1, 256, 8, 7168, 2048, n, 132, H200_SMEM)
             for fast in (True, False):
-                key = (mma_type_to_int(fmt), c['block_m'], c['num_stages'], fast)
+                key = _key(fmt, n, 1, 256, 8, 7168, 2048, fast)
                 if key not in seen:
                     seen.add(key)
                     yield key
 
 
-if __name__ == '__main__':
-    for key in variants(sys.argv[1:] or ('fp8xfp8', 'bf16xbf16')):
-        t = time.time()
-        path = _C.compile_mega_moe(*key)
-        print(f'{key}: {time.time() - t:.1f} s -> {path}')
-    for fp8 in (True, False):
-        print(f'stage fp8={fp8}: {_C.compile_mega_moe_stage(fp8)}')
+def ep_cases(num_ranks):
+    """(shape name, hidden, intermediate, experts, topk, token counts) of the EP check and EP bench."""
+    from deep_gemm import bench
+    from deep_gemm.testing import ep_check, ep_bench
+    for name, (hidden, inter, experts, topk) in ep_check.CHECK_SHAPES.items():
+        yield f'check {name}', hidden, inter, experts, topk, range(0, ep_check.CHECK_MAX_TOKENS[name] + 1)
+    for name in ep_bench.EP_SHAPES:
+        s = bench.SHAPES[name]
+        yield f'bench {name}', s.hidden, s.intermediate, s.num_experts, s.num_topk, ep_bench.EP_TOKENS
+    if num_ranks == 2:   # tests/test_multi_gpu.py::test_ep_bench_two_processes
+        s = bench.SHAPES['mid']
+        yield 'bench-test mid', s.hidden, s.intermediate, s.num_experts, s.num_topk, (1, 64)
+
+
+def ep_variants(num_ranks, formats):
+    """The variants the launcher picks with `num_ranks` ranks (default fast math) for `ep_cases`."""
+    seen = {}
+    for fmt in formats:
+        for label, hidden, inter, experts, topk, tokens in ep_cases(num_ranks):
+            if experts % num_ranks:
+                continue
+            for n in tokens:
+                key = _key(fmt, n, num_ranks, experts, topk, hidden, inter, True)
+                seen.setdefault(key, f'{fmt} {label} n={n}')
+    return seen
+
+
+def compile_one(key):
+    before = _C.get_num_nvcc_invocations()
+    t = time.time()
+    path = _C.compile_mega_moe(*key)
+    how = 'compiled' if _C.get_num_nvcc_invocations() > before else 'cached'
+    print(f'{key}: {time.time() - t:.1f} s ({how}) -> {path}', flush=True)
+
+
+def compile_stage(fp8):
+    before = _C.get_num_nvcc_invocations()
+    path = _C.compile_mega_moe_stage(fp8)
+    how = 'compiled' if _C.get_num_nvcc_invocations() > before else 'cached'
+    print(f'stage fp8={fp8} ({how}): {path}', flush=True)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    parser.add_argument('formats', nargs='*', metavar='FORMAT',
+                        help=f'{", ".join(MMA_TYPES)} (default: {" ".join(DEFAULT_FORMATS)})')
+    parser.add_argument('--ep', type=int, metavar='N',
+                        help='only what scripts/device_ep.sh needs on N GPUs (one process each)')
+    parser.add_argument('--list', action='store_true', help='print the variants, compile nothing')
+    args = parser.parse_args(argv)
+    formats = tuple(args.formats) or DEFAULT_FORMATS
+    for fmt in formats:
+        if fmt not in MMA_TYPES:
+            parser.error(f'format {fmt!r}: expected one of {", ".join(MMA_TYPES)}')
+    if args.ep is not None and args.ep < 2:
+        parser.error(f'--ep {args.ep}: expected at least 2 ranks')
+    start = time.time()
+    if args.ep is not None:
+        needed = ep_variants(args.ep, formats)
+        for key, why in sorted(needed.items()):
+            print(f'# {key}: first needed by {why}')
+        keys = sorted(needed)
+    else:
+        keys = list(variants(formats))
+    stages = sorted({fmt != 'bf16xbf16' for fmt in formats}, reverse=True) if args.ep else (True, False)
+    if args.list:
+        for key in keys:
+            print(key)
+        return 0
+    for key in keys:
+        compile_one(key)
+    for fp8 in stages:
+        compile_stage(fp8)
     # (absent where scripts/ab_prebuild.sh runs a copy of this script for a kernel variant)
-    if os.path.isfile(os.path.join(ROOT, 'tests', 'test_faults_gpu.py')):
+    if args.ep is None and os.path.isfile(os.path.join(ROOT, 'tests', 'test_faults_gpu.py')):
         sys.path.insert(0, os.path.join(ROOT, 'tests'))
         import test_faults_gpu  # noqa: E402
         for name in test_faults_gpu.HELPER_KERNELS:
             print(f'{name}: {test_faults_gpu.compile_helper(name)}')
+    print(f'# {len(keys)} kernel variants + {len(stages)} staging kernels in {time.time() - start:.1f} s '
+          f'(cache {_C.get_cache_dir()}, nvcc runs {_C.get_num_nvcc_invocations()})', flush=True)
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

@@ -8,8 +8,14 @@ start-up and NCCL set-up cost seconds); each test reads its case from that run. 
 fails on every rank together, so the next case still runs.
 
 The same check by hand: `python -m deep_gemm.testing.multi_process --check --nproc 2`.
+
+Settings (the device scripts use them to fit a time budget): DG_TEST_EP_WORLD_SIZES (default
+"2 4 8"), DG_TEST_EP_CALLS (back-to-back calls per case, default 100), DG_TEST_EP_TIMEOUT_S (bound
+of the one spawn per world size, default 280). Every rank's per-case line (status, worst calc_diff
+per phase) is printed when a world size's run ends (visible with `pytest -s`).
 """
 import os
+import time
 
 import pytest
 import torch
@@ -34,7 +40,8 @@ SHAPES = ['small', 'mid']
 NUM_CALLS = int(os.environ.get('DG_TEST_EP_CALLS', str(ep_check.DEFAULT_NUM_CALLS)))
 SEED = 0
 # Everything of one world size (start-up, 6 cases, 107 calls each); a hung run is terminated
-SPAWN_TIMEOUT_S = 280
+SPAWN_TIMEOUT_S = float(os.environ.get('DG_TEST_EP_TIMEOUT_S', '280'))
+WORLD_SIZES = [int(w) for w in os.environ.get('DG_TEST_EP_WORLD_SIZES', '2 4 8').split()]
 
 _runs = {}
 
@@ -43,17 +50,22 @@ def run_for(world_size):
     """Every rank's `run_check_cases` result for all (format, shape) cases, or the spawn's exception."""
     if world_size not in _runs:
         cases = [(f, s) for f in FORMATS for s in SHAPES]
+        start = time.perf_counter()
         try:
             _runs[world_size] = multi_process.spawn(ep_check.run_check_cases, world_size, cases, SEED, NUM_CALLS,
                                                     timeout_s=SPAWN_TIMEOUT_S)
+            print(f'\n# EP{world_size}: {len(cases)} cases, {NUM_CALLS} back-to-back calls each, '
+                  f'{time.perf_counter() - start:.1f} s\n' + ep_check.format_case_results(_runs[world_size]),
+                  flush=True)
         except Exception as e:  # noqa: BLE001 - every test of this world size reports it
             _runs[world_size] = e
+            print(f'\n# EP{world_size}: spawn failed after {time.perf_counter() - start:.1f} s: {e}', flush=True)
     return _runs[world_size]
 
 
 @pytest.mark.parametrize('shape', SHAPES)
 @pytest.mark.parametrize('mma_type', FORMATS)
-@pytest.mark.parametrize('world_size', [2, 4, 8])
+@pytest.mark.parametrize('world_size', WORLD_SIZES)
 def test_ep_on_real_gpus(world_size, mma_type, shape):
     if world_size > NUM_GPUS:
         pytest.skip(f'needs {world_size} GPUs, {NUM_GPUS} visible')

@@ -105,6 +105,22 @@ def _child_sleeps(rank, world_size):
     time.sleep(600)
 
 
+def _child_returns_then_hangs_in_teardown(rank, world_size):
+    """Returns a result, then never finishes tearing down (like a destructor stuck at exit)."""
+    import torch.distributed as dist
+    out = dict(rank=rank, env=multi_process.process_env_report())
+    if rank == 1:
+        dist.destroy_process_group = lambda *a, **k: time.sleep(600)
+    return out
+
+
+def _child_returns_then_dies(rank, world_size):
+    import torch.distributed as dist
+    if rank == 0:
+        dist.destroy_process_group = lambda *a, **k: os._exit(7)
+    return rank
+
+
 def _child_returns_unpicklable(rank, world_size):
     return lambda: None
 
@@ -118,7 +134,11 @@ def test_no_multicast_env():
                                 'NVSHMEM_DISABLE_NVLS': '1'}
     env = {'NCCL_NVLS_ENABLE': '1', 'OTHER': 'x'}
     multi_process.set_no_multicast_env(env)
-    assert env == dict(NO_MULTICAST_ENV, OTHER='x')
+    # Multicast settings override; the symmetric-memory pool default fills in only where unset
+    assert env == dict(NO_MULTICAST_ENV, OTHER='x', TORCH_SYMMMEM_IMPLICIT_POOL='0')
+    env = {'TORCH_SYMMMEM_IMPLICIT_POOL': '1'}
+    multi_process.set_no_multicast_env(env)
+    assert env == dict(NO_MULTICAST_ENV, TORCH_SYMMMEM_IMPLICIT_POOL='1')
 
 
 def test_find_free_port_is_bindable():
@@ -206,9 +226,22 @@ def test_spawn_unpicklable_result_is_an_error():
 
 def test_spawn_timeout_terminates_the_children():
     start = time.monotonic()
-    with pytest.raises(TimeoutError, match=r'rank\(s\) \[0, 1\] of 2 still running after 3 s'):
+    with pytest.raises(TimeoutError, match=r'rank\(s\) \[0, 1\] of 2 still running after 3 s \(rank\(s\) \[\] had'):
         spawn(_child_sleeps, 2, backend='gloo', timeout_s=3)
     assert time.monotonic() - start < 30
+
+
+def test_spawn_keeps_results_when_a_rank_hangs_or_dies_in_teardown(monkeypatch, capfd):
+    monkeypatch.setattr(multi_process, '_EXIT_GRACE_S', 2.0)
+    monkeypatch.delenv('TORCH_SYMMMEM_IMPLICIT_POOL', raising=False)
+    start = time.monotonic()
+    results = spawn(_child_returns_then_hangs_in_teardown, 2, backend='gloo', timeout_s=SPAWN_TIMEOUT_S)
+    assert [r['rank'] for r in results] == [0, 1]
+    assert results[0]['env'] == dict(NO_MULTICAST_ENV, TORCH_SYMMMEM_IMPLICIT_POOL='0')
+    assert time.monotonic() - start < SPAWN_TIMEOUT_S
+    assert 'did not exit within 2 s' in capfd.readouterr().err
+    assert spawn(_child_returns_then_dies, 2, backend='gloo', timeout_s=SPAWN_TIMEOUT_S) == [0, 1]
+    assert 'then a process failed on exit' in capfd.readouterr().err
 
 
 # --------------------------------------------------------------------------------------------------
@@ -298,6 +331,10 @@ def test_bench_ep_defaults_and_virtual():
     assert args.virtual and args.shapes == list(bench.SHAPES) and args.tokens == list(bench.DEFAULT_TOKENS)
     assert bench.parse_args(['--ep', '8', '--quick']).shapes == list(bench.QUICK_SHAPES)
     assert bench.parse_args(['--ep', '4', '--shapes', 'mid', '--tokens', '3']).tokens == [3]
+    assert bench.parse_args(['--ep', '2']).timeout is None
+    assert bench.parse_args(['--ep', '2', '--timeout', '200']).timeout == 200.0
+    with pytest.raises(SystemExit):
+        bench.parse_args(['--ep', '2', '--timeout', '0'])
     assert bench.parse_args([]).virtual is False and bench.parse_args([]).shapes == list(bench.SHAPES)
 
 
@@ -325,6 +362,22 @@ def test_bench_main_chooses_processes_or_virtual_ranks(monkeypatch, capsys):
     assert calls == [('processes', 2), ('virtual', 2), ('virtual', 4), ('virtual', 1)]
 
 
+def test_bench_ep_spawn_failure_is_reported(monkeypatch, capsys, tmp_path):
+    for name in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK'):
+        monkeypatch.delenv(name, raising=False)
+    seen = {}
+
+    def fake_spawn(fn, nprocs, config, timeout_s=None):
+        seen['timeout_s'] = timeout_s
+        raise TimeoutError('spawn: rank(s) [1] of 2 still running after 200 s')
+    monkeypatch.setattr(ep_bench, 'spawn', fake_spawn)
+    argv = ['--ep', '2', '--timeout', '200', '--json', str(tmp_path / 'ep.json')]
+    assert ep_bench.run(bench.parse_args(argv), argv) == 3
+    out = capsys.readouterr().out
+    assert seen['timeout_s'] == 200.0
+    assert '# --ep 2 FAILED: spawn: rank(s) [1] of 2 still running' in out and '"partial": true' in out
+
+
 def test_bench_torchrun_must_match_ep(monkeypatch, capsys):
     monkeypatch.setenv('RANK', '0')
     monkeypatch.setenv('WORLD_SIZE', '2')
@@ -345,6 +398,17 @@ def test_check_command_line():
     for argv in ([], ['--check', '--nproc', '0'], ['--check', '--calls', '0'], ['--check', '--formats', 'fp16']):
         with pytest.raises(SystemExit):
             multi_process.parse_args(argv)
+    args = multi_process.parse_args(['--probe', '--timeout', '75'])
+    assert (args.probe, args.check, args.timeout) == (True, False, 75.0)
+
+
+def test_format_probe_results():
+    r = dict(rank=1, world_size=2, device='1: H200', torch='2.11', peer_access={0: True}, all_reduce=3.0,
+             symm_backend='CUDA', offsets=[0, 0], peer_ptrs=['0x1', '0x2'], seconds=1.25,
+             env=multi_process.process_env_report())
+    text = multi_process.format_probe_results([r])
+    assert text.startswith('rank 1/2 GPU 1: H200 torch 2.11: peer access {0: True}, all_reduce 3, symm backend CUDA')
+    assert 'TORCH_SYMMMEM_IMPLICIT_POOL' in text
 
 
 def test_check_without_gpus_says_so(monkeypatch, capsys):
@@ -409,6 +473,47 @@ def test_check_peer_table():
         ep_check.check_peer_table(_FakeBuffer(1, [0x1000, 0x2000], 0x2000), 0, 2)
     with pytest.raises(ep_check.EPCheckError, match='repeated'):
         ep_check.check_peer_table(_FakeBuffer(0, [0x1000, 0x1000], 0x1000), 0, 2)
+
+
+def _child_peer_table(rank, world_size):
+    """buffer.py's peer table and its probe on one gloo rank, CPU memory standing in for the GPU's."""
+    import torch.distributed as dist
+
+    from deep_gemm.mega import buffer as buffer_mod
+    torch.cuda.synchronize = lambda *a, **k: None
+    group = dist.group.WORLD
+    out = {}
+    # A tensor 512 bytes into its (pooled) symmetric allocation: the base + this rank's offset
+    arena = torch.zeros(4096, dtype=torch.uint8)
+
+    class Handle:
+        buffer_ptrs = [arena.data_ptr()]
+    out['ptrs_ok'] = buffer_mod._peer_buffer_addresses(arena[512:], Handle(), group, 0, 1) == [arena.data_ptr() + 512]
+    Handle.buffer_ptrs = [arena.data_ptr() + 1024]
+    try:
+        buffer_mod._peer_buffer_addresses(arena[512:], Handle(), group, 0, 1)
+    except RuntimeError as e:
+        out['below_base'] = str(e)
+    sym = buffer_mod.get_symm_buffer_for_mega_moe(None, 8, 16, 2, 256, 128, 'bf16xbf16', device='cpu')
+    buffer_mod._probe_peers(sym, group)            # its own buffer: passes
+    out['marker'] = sym.buffer[:32].view(torch.int64).tolist()
+    elsewhere = torch.zeros(64, dtype=torch.uint8)
+    sym.peer_ptrs = [elsewhere.data_ptr()]
+    try:
+        buffer_mod._probe_peers(sym, group)
+    except RuntimeError as e:
+        out['wrong_peer'] = str(e)
+    return out
+
+
+def test_peer_table_and_probe():
+    r = spawn(_child_peer_table, 1, backend='gloo', timeout_s=SPAWN_TIMEOUT_S)[0]
+    assert r['ptrs_ok']
+    assert 'below its allocation base (offsets [-512])' in r['below_base']
+    # The marker: magic, rank, sequence number, buffer bytes (zeroed later by _initialize on GPUs)
+    assert r['marker'][:3] == [0x44474D4F45505231, 0, 1]
+    assert "the peer table does not reach the peers' buffers" in r['wrong_peer']
+    assert 'rank 0: peer_ptrs[0] = 0x' in r['wrong_peer'] and "holds ['0x0', '0x0', '0x0', '0x0']" in r['wrong_peer']
 
 
 def test_allow_cold_jit(monkeypatch):
@@ -569,6 +674,8 @@ def test_bench_ep_rank_with_a_stand_in_kernel(tmp_path, capfd):
     assert 'NVLink GB/s' in out and '# summary: the slowest of the 2 ranks per row' in out
     data = json.load(open(path))
     assert data['ep_processes'] == 2 and data['nvlink_multicast'] == 'off'
+    # The final JSON replaced the partial one written after each format
+    assert 'partial' not in data and 'TORCH_SYMMMEM_IMPLICIT_POOL' in data['process_env']
     summary = [r for r in data['rows'] if r['rank'] == 'max']
     assert [(r['format'], r['n'], r['fused_us']) for r in summary] == [
         ('fp8xfp4', 1, 11.0), ('fp8xfp4', 48, 11.0), ('fp8xfp8', 1, None), ('fp8xfp8', 48, None)]

@@ -260,22 +260,90 @@ def get_symm_buffer_for_mega_moe(group, num_experts: int, num_max_tokens_per_ran
     device = torch.device(device)
     if device.type != 'cuda':
         raise ValueError(f'device = {device} is invalid for a group of {num_ranks} ranks: expected a CUDA device')
+    if device.index is None:
+        device = torch.device('cuda', torch.cuda.current_device())
     buffer = symm_mem.empty(num_bytes, dtype=torch.uint8, device=device)
     handle = symm_mem.rendezvous(buffer, group)
     rank = dist.get_rank(group)
-    # `buffer_ptrs` are the bases of the symmetric allocations, which a pooled allocator may have
-    # carved this buffer from at an offset: the same offset holds on every rank (same sizes, same
-    # allocation order), so shift every peer's base by it
-    offset = buffer.data_ptr() - int(handle.buffer_ptrs[rank])
-    if offset < 0:
-        raise RuntimeError(f'symmetric memory: buffer address below its allocation base (offset {offset})')
-    peer_ptrs = [int(p) + offset for p in handle.buffer_ptrs]
+    peer_ptrs = _peer_buffer_addresses(buffer, handle, group, rank, num_ranks)
     sym = SymmBuffer(buffer, rank=rank, num_ranks=num_ranks, peer_ptrs=peer_ptrs, group=group,
                      num_experts=num_experts, num_max_tokens_per_rank=num_max_tokens_per_rank, num_topk=num_topk,
                      hidden=hidden, intermediate_hidden=intermediate_hidden, mma_type=mma_type, layout=layout,
-                     handle=handle)
+                     handle=handle, peers_on_this_gpu=False)
+    # Every peer address must reach that peer's buffer before any kernel trusts it: a wrong one
+    # would otherwise show up as a kernel timeout or, worse, as writes into someone else's memory
+    _probe_peers(sym, group)
     sym._initialize()
     # Peers write into this workspace from their first call on: it must be zero before any rank starts
     torch.cuda.synchronize(device)
     dist.barrier(group=group)
     return sym
+
+
+def _peer_buffer_addresses(buffer: torch.Tensor, handle, group, rank: int, num_ranks: int) -> List[int]:
+    """Every rank's address of its buffer, as mapped in this process.
+
+    `handle.buffer_ptrs` are the bases of the ranks' symmetric allocations. torch's implicit
+    symmetric-memory pool (TORCH_SYMMMEM_IMPLICIT_POOL, on by default from torch 2.11) may carve
+    this tensor out of a pooled allocation at an offset; the offset is exchanged rather than
+    assumed equal on every rank (each rank's pool reuses blocks on its own).
+    """
+    import torch.distributed as dist
+    bases = [int(p) for p in handle.buffer_ptrs]
+    if len(bases) != num_ranks:
+        raise RuntimeError(f'symmetric memory: rendezvous returned {len(bases)} buffer addresses for a group of '
+                           f'{num_ranks} ranks')
+    offsets: List[int] = [0] * num_ranks
+    dist.all_gather_object(offsets, buffer.data_ptr() - bases[rank], group=group)
+    # Checked after the exchange, the same on every rank: all raise together
+    bad = [r for r, off in enumerate(offsets) if off < 0]
+    if bad:
+        raise RuntimeError(f'symmetric memory: rank(s) {bad}: buffer below its allocation base (offsets {offsets})')
+    return [base + int(off) for base, off in zip(bases, offsets)]
+
+
+# Marker written at the start of each rank's buffer (then zeroed with the workspace) to check the
+# peer table: magic, rank, allocation sequence number (the same on every rank of a group)
+_PROBE_MAGIC = 0x4447_4d4f_4550_5231   # "DGMOEPR1"
+_PROBE_WORDS = 4
+_probe_sequence = 0
+
+
+def _probe_peers(sym: 'SymmBuffer', group) -> None:
+    """Check that `sym.peer_ptrs[r]` holds rank r's buffer for every r, by reading a marker that
+    each rank wrote into its own buffer through the very addresses the kernel will use (a copy on
+    this rank's GPU over NVLink). Collective. Raises RuntimeError naming the wrong peers.
+
+    Skipped (with no error) where torch lacks the private `_construct_storage_from_data_pointer`."""
+    import torch.distributed as dist
+    global _probe_sequence
+    _probe_sequence += 1
+    construct = getattr(torch._C, '_construct_storage_from_data_pointer', None)
+    device = sym.device
+    nbytes = _PROBE_WORDS * 8
+
+    def marker(rank: int) -> torch.Tensor:
+        return torch.tensor([_PROBE_MAGIC, rank, _probe_sequence, sym.num_bytes], dtype=torch.int64)
+
+    if construct is not None:
+        sym.buffer[:nbytes].copy_(marker(sym.rank).view(torch.uint8).to(device))
+    torch.cuda.synchronize(device)
+    dist.barrier(group=group)
+    bad = []
+    if construct is not None:
+        for r, ptr in enumerate(sym.peer_ptrs):
+            # A view of `nbytes` at the raw address on this GPU (no ownership), copied out by this GPU
+            storage = construct(ptr, device, nbytes)
+            view = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (nbytes,), (1,))
+            seen = view.clone().cpu().view(torch.int64)
+            if not torch.equal(seen, marker(r)):
+                bad.append(f'peer_ptrs[{r}] = {ptr:#x} holds {[hex(int(v)) for v in seen]}')
+    torch.cuda.synchronize(device)
+    # Doubles as the barrier after which a rank may zero its marker (_initialize); every rank
+    # learns every rank's failures, so all raise together
+    everyone: List[List[str]] = [[] for _ in range(dist.get_world_size(group))]
+    dist.all_gather_object(everyone, bad, group=group)
+    failures = [f'rank {r}: {b}' for r, rank_bad in enumerate(everyone) for b in rank_bad]
+    if failures:
+        raise RuntimeError(f'symmetric memory: the peer table does not reach the peers\' buffers (expected '
+                           f'[magic, rank, {_probe_sequence}, {sym.num_bytes}] at each): ' + '; '.join(failures))

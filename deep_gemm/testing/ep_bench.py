@@ -31,8 +31,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .bench_utils import (FP8_BLOCK, L2Flusher, MoEShape, TorchMoEBaseline, event_median_us, row_metrics)
-from .multi_process import (NO_MULTICAST_ENV, RanksFailed, all_ranks_agree, destroy, init_from_env, spawn,
-                            torchrun_env)
+from .multi_process import (NO_MULTICAST_ENV, RankError, RanksFailed, all_ranks_agree, destroy, init_from_env,
+                            process_env_report, spawn, torchrun_env)
 
 # Default sweep of the multi-process mode (DESIGN.md §8 targets: decode at 1-8 tokens, prefill at 4096)
 EP_SHAPES: Tuple[str, ...] = ('v4-flash',)
@@ -507,11 +507,16 @@ def bench_ep_rank(rank: int, world_size: int, config: Dict[str, Any]) -> Optiona
               f'symmetric memory over NVLink, multicast off; torch {torch.__version__}; {config["reps"]} timings '
               f'per row, L2 flushed before each; n = tokens per rank', flush=True)
         print(format_ep_table([]), flush=True)
+    meta = dict(config.get('meta') or {}, ep_processes=world_size, nvlink_multicast='off', env=dict(NO_MULTICAST_ENV),
+                process_env=process_env_report())
     rows: List[Dict[str, Any]] = []
     for name in config['shapes']:
         for mma_type in config['formats']:
             rows += _bench_format_shape(rank, world_size, mma_type, bench.SHAPES[name], config['tokens'],
                                         config['reps'], flush, config.get('seed', bench.SEED), device)
+            if lead and config.get('json'):
+                # What is done so far survives a run cut short (a timeout, a hung rank)
+                bench.write_json(config['json'], rows + summarize(rows), dict(meta, partial=True))
     if not lead:
         return None
     summary = summarize(rows)
@@ -520,7 +525,6 @@ def bench_ep_rank(rank: int, world_size: int, config: Dict[str, Any]) -> Optiona
     print()
     print(f'# summary: the slowest of the {world_size} ranks per row')
     print(bench.format_table(summary))
-    meta = dict(config.get('meta') or {}, ep_processes=world_size, nvlink_multicast='off', env=dict(NO_MULTICAST_ENV))
     if config.get('json'):
         bench.write_json(config['json'], rows + summary, meta)
         print(f'# wrote {config["json"]}')
@@ -568,7 +572,14 @@ def run(args, argv: Optional[Sequence[str]] = None) -> int:
         finally:
             destroy()
     else:
-        rows = spawn(bench_ep_rank, args.ep, config)[0]
+        timeout_s = getattr(args, 'timeout', None)
+        try:
+            rows = spawn(bench_ep_rank, args.ep, config, timeout_s=timeout_s)[0]
+        except (RankError, TimeoutError) as e:
+            print(f'# --ep {args.ep} FAILED: {e}', flush=True)
+            if args.json:
+                print(f'# rows finished before the failure (if any) are in {args.json} ("partial": true)')
+            return 3
     if rows is None:
         return 0
     return 1 if any(r['status'] == 'error' for r in rows) else 0

@@ -337,10 +337,11 @@ def run_check_cases(rank: int, world_size: int, cases: Sequence[Tuple[str, str]]
 
     import torch.distributed as dist
 
-    from .multi_process import NO_MULTICAST_ENV
+    from .multi_process import NO_MULTICAST_ENV, process_env_report
     allow_cold_jit()
     out: Dict[str, Any] = dict(rank=rank, world_size=world_size, device=torch.cuda.get_device_name(),
-                               env={k: os.environ.get(k) for k in NO_MULTICAST_ENV}, cases={})
+                               env={k: os.environ.get(k) for k in NO_MULTICAST_ENV},
+                               process_env=process_env_report(), cases={})
     for mma_type, shape in cases:
         key = f'{mma_type} {shape}'
         ns = default_ns(world_size, CHECK_MAX_TOKENS.get(shape, 256))
@@ -355,6 +356,49 @@ def run_check_cases(rank: int, world_size: int, cases: Sequence[Tuple[str, str]]
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         dist.barrier()
+    return out
+
+
+def probe_rank(rank: int, world_size: int, shape: Shape = 'small', mma_type: str = 'bf16xbf16') -> Dict[str, Any]:
+    """First contact without the kernel: this rank's GPU and peer access, an NCCL all_reduce, then one
+    symmetric buffer (`get_symm_buffer_for_mega_moe`: rendezvous, the peer-table probe that reads
+    every peer's marker through the kernel's addresses). A `spawn` / torchrun target.
+
+    Returns {'rank', 'device', 'torch', 'env', 'peer_access' (can_device_access_peer to every other
+    visible GPU), 'all_reduce' (sum of rank + 1: expected world_size (world_size + 1) / 2),
+    'symm_backend', 'buffer' (repr), 'peer_ptrs' (hex), 'offsets' (buffer - symmetric base, per
+    rank), 'seconds'}. Raises RanksFailed on every rank if the buffer failed on any.
+    """
+    import torch.distributed as dist
+    import torch.distributed._symmetric_memory as symm_mem
+
+    from ..mega.buffer import get_symm_buffer_for_mega_moe
+    from .multi_process import process_env_report
+    start = time.perf_counter()
+    index = torch.cuda.current_device()
+    device = torch.device('cuda', index)
+    out: Dict[str, Any] = dict(rank=rank, world_size=world_size, device=f'{index}: {torch.cuda.get_device_name()}',
+                               torch=torch.__version__, env=process_env_report())
+    out['peer_access'] = {j: bool(torch.cuda.can_device_access_peer(index, j))
+                          for j in range(torch.cuda.device_count()) if j != index}
+    t = torch.full((1,), float(rank + 1), device=device)
+    dist.all_reduce(t)
+    out['all_reduce'] = float(t.item())
+    try:
+        out['symm_backend'] = symm_mem.get_backend(device)
+    except Exception as e:  # noqa: BLE001 - older torch: no get_backend
+        out['symm_backend'] = f'unknown ({type(e).__name__})'
+    hidden, inter, experts, topk = _resolve_shape(shape)
+    with all_ranks_agree('get_symm_buffer_for_mega_moe', dist.group.WORLD) as step:
+        buf = get_symm_buffer_for_mega_moe(dist.group.WORLD, experts, 64, topk, hidden, inter, mma_type)
+        check_peer_table(buf, rank, world_size)
+        bases = [int(p) for p in buf._handle.buffer_ptrs]
+        step.share = buf.buffer.data_ptr() - bases[rank]
+    out.update(buffer=repr(buf), peer_ptrs=[hex(p) for p in buf.peer_ptrs], offsets=step.gathered,
+               seconds=time.perf_counter() - start)
+    del buf
+    torch.cuda.synchronize()
+    dist.barrier()
     return out
 
 

@@ -14,10 +14,13 @@ buffers are reached over NVLink.
   that a failure on one rank never leaves the others waiting in a collective or in the kernel.
 - NVLink multicast stays off in every process (`NO_MULTICAST_ENV`): the kernel never uses multimem
   operations, and creating multicast objects fails or changes NCCL's algorithms on some systems.
+  `PROCESS_ENV_DEFAULTS` (torch's implicit symmetric-memory pool off) applies where not set.
+- `--probe` (command line, `ep_check.probe_rank`): NCCL and symmetric memory without the kernel.
 
 Command line (the EP correctness check of `deep_gemm.testing.ep_check` on real GPUs)::
 
     python -m deep_gemm.testing.multi_process --check --nproc 2            # spawns 2 processes
+    python -m deep_gemm.testing.multi_process --probe --nproc 2 --timeout 75   # no kernel
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
         torchrun --nproc-per-node 2 -m deep_gemm.testing.multi_process --check
 """
@@ -43,11 +46,21 @@ NO_MULTICAST_ENV: Dict[str, str] = {
     'TORCH_SYMM_MEM_DISABLE_MULTICAST': '1',   # torch symmetric memory: no multicast object at rendezvous
     'NVSHMEM_DISABLE_NVLS': '1',               # NVSHMEM (if torch's symmetric memory uses it): same
 }
+# Defaults for every process this module starts (and `init_from_env`), kept where already set:
+# torch's implicit symmetric-memory pool off, so that every buffer is its own allocation with its
+# own rendezvous (the pool's block reuse is per rank; the buffer code copes with it, but the plain
+# path has fewer moving parts on a first run; TORCH_SYMMMEM_IMPLICIT_POOL=1 tests the pool)
+PROCESS_ENV_DEFAULTS: Dict[str, str] = {
+    'TORCH_SYMMMEM_IMPLICIT_POOL': '0',
+}
 BACKENDS = ('nccl', 'gloo')
 # How often the parent looks for finished or failed children while it waits
 _POLL_S = 0.5
 # Seconds a terminated child gets before it is killed
 _TERMINATE_GRACE_S = 5.0
+# Seconds children that all returned a result get to exit before they are terminated (a hang in
+# process teardown, e.g. in NCCL or symmetric-memory destructors, must not cost the results)
+_EXIT_GRACE_S = 30.0
 # An exception's message is cut to this many characters when it is sent to the other ranks
 _MAX_MESSAGE_CHARS = 4000
 
@@ -86,8 +99,17 @@ class RanksFailed(RuntimeError):
 # --------------------------------------------------------------------------------------------------
 
 def set_no_multicast_env(environ: Optional[Dict[str, str]] = None) -> None:
-    """Write `NO_MULTICAST_ENV` into `environ` (default `os.environ`), overriding earlier values."""
-    (os.environ if environ is None else environ).update(NO_MULTICAST_ENV)
+    """Write `NO_MULTICAST_ENV` into `environ` (default `os.environ`), overriding earlier values, and
+    `PROCESS_ENV_DEFAULTS` where not set."""
+    environ = os.environ if environ is None else environ
+    environ.update(NO_MULTICAST_ENV)
+    for k, v in PROCESS_ENV_DEFAULTS.items():
+        environ.setdefault(k, v)
+
+
+def process_env_report() -> Dict[str, Optional[str]]:
+    """The values of the variables this module sets, as this process sees them."""
+    return {k: os.environ.get(k) for k in (*NO_MULTICAST_ENV, *PROCESS_ENV_DEFAULTS)}
 
 
 @contextlib.contextmanager
@@ -224,6 +246,11 @@ def _worker(local_rank: int, fn: Callable[..., Any], world_size: int, port: int,
     destroy()
 
 
+def _all_returned(result_dir: str, world_size: int) -> bool:
+    """Every rank wrote an 'ok' result."""
+    return all((_read_result(result_dir, r) or ('',))[0] == 'ok' for r in range(world_size))
+
+
 def _rank_error(result_dir: str, world_size: int, error: BaseException) -> RankError:
     """The RankError for a failed spawn: the child that recorded an exception first, else the one
     torch.multiprocessing reported (a child that died without a Python exception)."""
@@ -251,7 +278,9 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = 'n
         args: passed to `fn` after (rank, world_size); must pickle.
         backend: "nccl" (one GPU per rank) or "gloo" (CPU; tests of the process plumbing).
         timeout_s: wall-clock bound for the whole run (None: none). When it passes, the children
-            still running are terminated and TimeoutError names them.
+            still running are terminated and TimeoutError names them. Once every child has
+            returned its result, a child that does not exit within _EXIT_GRACE_S, or that dies
+            while exiting, is terminated and reported on stderr: the results are kept.
         collective_timeout_s: bound of one collective (torch's default when None).
 
     Returns:
@@ -274,19 +303,35 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = 'n
             raise RuntimeError(f'spawn(backend="nccl") needs one GPU per rank: world_size = {world_size}, '
                                f'{count} GPU(s) visible')
     port = find_free_port()
+    child_env = dict(NO_MULTICAST_ENV, **{k: os.environ.get(k, v) for k, v in PROCESS_ENV_DEFAULTS.items()})
     with tempfile.TemporaryDirectory(prefix='deep_gemm_spawn_') as result_dir:
-        with _temporary_env(NO_MULTICAST_ENV):
+        with _temporary_env(child_env):
             context = mp.spawn(_worker, args=(fn, world_size, port, backend, result_dir, collective_timeout_s, args),
                                nprocs=world_size, join=False)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        all_returned_at = None
         try:
             while not context.join(timeout=_POLL_S):
-                if deadline is not None and time.monotonic() > deadline:
+                now = time.monotonic()
+                if all_returned_at is None and _all_returned(result_dir, world_size):
+                    all_returned_at = now
+                if all_returned_at is not None and now - all_returned_at > _EXIT_GRACE_S:
                     running = [r for r, p in enumerate(context.processes) if p.is_alive()]
+                    print(f'# spawn: every rank returned its result, but rank(s) {running} did not exit within '
+                          f'{_EXIT_GRACE_S:.0f} s (a hang in teardown); terminated', file=sys.stderr, flush=True)
+                    break
+                if deadline is not None and now > deadline:
+                    running = [r for r, p in enumerate(context.processes) if p.is_alive()]
+                    returned = [r for r in range(world_size) if (_read_result(result_dir, r) or ('',))[0] == 'ok']
                     raise TimeoutError(f'spawn: rank(s) {running} of {world_size} still running after '
-                                       f'{timeout_s} s; terminated')
+                                       f'{timeout_s} s (rank(s) {returned} had returned); terminated')
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
-            raise _rank_error(result_dir, world_size, e) from None
+            if not _all_returned(result_dir, world_size):
+                raise _rank_error(result_dir, world_size, e) from None
+            # Every rank returned; one died afterwards (in teardown): keep the results
+            print(f'# spawn: every rank returned its result, then a process failed on exit: '
+                  f'{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}',
+                  file=sys.stderr, flush=True)
         finally:
             _stop(context.processes)
         results = []
@@ -375,6 +420,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                     'processes.')
     parser.add_argument('--check', action='store_true',
                         help='run the correctness check (eager cases, masks, skew, CUDA graph, back-to-back calls)')
+    parser.add_argument('--probe', action='store_true',
+                        help='first contact, no kernel: peer access, an NCCL all_reduce and one symmetric buffer '
+                             '(rendezvous and the peer-table probe) per rank')
     parser.add_argument('--nproc', type=int, default=None,
                         help='processes to spawn when not under torchrun (default: every visible GPU)')
     parser.add_argument('--formats', nargs='+', choices=CHECK_FORMATS, default=list(CHECK_FORMATS),
@@ -387,8 +435,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument('--timeout', type=float, default=None, metavar='S',
                         help='spawn mode: terminate everything after S seconds (default: no limit)')
     args = parser.parse_args(argv)
-    if not args.check:
-        parser.error('nothing to do: pass --check')
+    if not (args.check or args.probe):
+        parser.error('nothing to do: pass --check and/or --probe')
     if args.nproc is not None and args.nproc < 1:
         parser.error(f'--nproc {args.nproc}: expected a positive integer')
     if args.calls < 1:
@@ -398,29 +446,56 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the check under torchrun (this rank) or spawn it; print one line per rank and case."""
-    from .ep_check import format_case_results, run_check_cases
+    from .ep_check import format_case_results, probe_rank, run_check_cases
     args = parse_args(argv)
     cases = [(f, s) for f in args.formats for s in args.shapes]
     env = torchrun_env()
     if env is not None:
         rank, world_size = init_from_env('nccl')
+        code = 0
         try:
-            result = run_check_cases(rank, world_size, cases, args.seed, args.calls)
+            if args.probe:
+                print(format_probe_results([probe_rank(rank, world_size)]), flush=True)
+            if args.check:
+                result = run_check_cases(rank, world_size, cases, args.seed, args.calls)
+                print(format_case_results([result], first_rank=rank), flush=True)
+                code = 0 if all(c['status'] in ('ok', 'not built') for c in result['cases'].values()) else 1
         finally:
             destroy()
-        print(format_case_results([result], first_rank=rank), flush=True)
-        return 0 if all(c['status'] in ('ok', 'not built') for c in result['cases'].values()) else 1
+        return code
     nproc = args.nproc if args.nproc is not None else torch.cuda.device_count()
     if nproc < 2:
         print(f'# {nproc} GPU(s) visible: the multi-GPU check needs at least 2 (--nproc N, or torchrun)')
         return 1
     print(f'# spawning {nproc} processes, one per GPU; NVLink multicast off '
           f'({" ".join(f"{k}={v}" for k, v in NO_MULTICAST_ENV.items())})', flush=True)
-    start = time.perf_counter()
-    results = spawn(run_check_cases, nproc, cases, args.seed, args.calls, timeout_s=args.timeout)
-    print(format_case_results(results), flush=True)
-    print(f'# {time.perf_counter() - start:.1f} s')
-    return 0 if all(c['status'] in ('ok', 'not built') for r in results for c in r['cases'].values()) else 1
+    code = 0
+    if args.probe:
+        start = time.perf_counter()
+        try:
+            print(format_probe_results(spawn(probe_rank, nproc, timeout_s=args.timeout)), flush=True)
+            print(f'# probe: {time.perf_counter() - start:.1f} s', flush=True)
+        except (RankError, TimeoutError) as e:
+            print(f'# probe FAILED after {time.perf_counter() - start:.1f} s: {e}', flush=True)
+            return 1
+    if args.check:
+        start = time.perf_counter()
+        results = spawn(run_check_cases, nproc, cases, args.seed, args.calls, timeout_s=args.timeout)
+        print(format_case_results(results), flush=True)
+        print(f'# {time.perf_counter() - start:.1f} s')
+        code = 0 if all(c['status'] in ('ok', 'not built') for r in results for c in r['cases'].values()) else 1
+    return code
+
+
+def format_probe_results(results: Sequence[Dict[str, Any]]) -> str:
+    """One line per rank of `ep_check.probe_rank` results."""
+    lines = []
+    for r in results:
+        lines.append(f'rank {r["rank"]}/{r["world_size"]} GPU {r["device"]} torch {r["torch"]}: peer access '
+                     f'{r["peer_access"]}, all_reduce {r["all_reduce"]:g}, symm backend {r["symm_backend"]}, '
+                     f'offsets {r["offsets"]}, peer_ptrs {r["peer_ptrs"]}, {r["seconds"]:.1f} s')
+        lines.append(f'    env {r["env"]}')
+    return '\n'.join(lines)
 
 
 if __name__ == '__main__':
