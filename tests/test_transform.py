@@ -155,11 +155,19 @@ def test_expansion_table_exact_up_to_delta_14():
 # MXFP4
 # --------------------------------------------------------------------------------------------------
 
+def kernel_byte(j):
+    # Where byte j (0..63) of a row's K-block sits in the kernel layout's 64 bytes of the row, written
+    # out here from the definition (16 ks + 8 hi + 2 q + b -> 16 q + 4 ks + 2 hi + b) rather than
+    # taken from transform.py
+    ks, hi, q, b = j // 16, (j // 8) % 2, (j // 2) % 4, j % 2
+    return 16 * q + 4 * ks + 2 * hi + b
+
+
 def unblock_packed(t):
-    # Kernel-format packed codes [E, N/128, K/128, 8192] -> row-major [E, N, K/2], written out here
-    # rather than taken from transform.py
+    # Kernel-format packed codes [E, N/128, K/128, 8192] -> row-major [E, N, K/2]
     e, nb, kb, _ = t.shape
-    return t.reshape(e, nb, kb, 128, 64).permute(0, 1, 3, 2, 4).reshape(e, nb * 128, kb * 64)
+    rows = t.reshape(e, nb, kb, 128, 64)[..., [kernel_byte(j) for j in range(64)]]
+    return rows.permute(0, 1, 3, 2, 4).reshape(e, nb * 128, kb * 64)
 
 
 def fp4_pair(seed=0, **kwargs):
@@ -178,9 +186,11 @@ def test_fp4_format_and_round_trip():
         assert t[1].dtype == torch.uint8 and t[1].shape == (E, n // 128, k // 128, 512) and int(t[1].max()) <= 14
         assert t[2].dtype == torch.float32 and t[2].shape == (E, n // 128, k // 128)
         assert all(x.is_contiguous() for x in t)
-    # Packed codes: byte r * 64 + j of block (e, nb, kb) is byte kb * 64 + j of row nb * 128 + r
-    assert t2[0][1, 2, 1, 5 * 64 + 7] == l2[0][1, 2 * 128 + 5, 64 + 7]
+    # Packed codes: byte r * 64 + kernel_byte(j) of block (e, nb, kb) is byte kb * 64 + j of row nb * 128 + r
+    # (j = 7: ks 0, hi 0, q 3, b 1 -> 49; j = 63 stays; j = 22: ks 1, hi 0, q 3, b 0 -> 52)
+    assert t2[0][1, 2, 1, 5 * 64 + 49] == l2[0][1, 2 * 128 + 5, 64 + 7]
     assert t2[0][0, 0, 1, 127 * 64 + 63] == l2[0][0, 127, 64 + 63]
+    assert t2[0][0, 1, 0, 3 * 64 + 52] == l2[0][0, 128 + 3, 22]
     assert_interleaved(l1[0], unblock_packed(t1[0]), 128)
     assert_same(unblock_packed(t2[0]), l2[0])
     r1, r2 = inverse_transform_weights_for_mega_moe(t1, t2)
@@ -406,3 +416,139 @@ def test_fp4_delta_block_size_matches_the_kernel():
     from deep_gemm import _C
     from deep_gemm.mega.transform import FP4_DELTA_BLOCK_BYTES
     assert FP4_DELTA_BLOCK_BYTES == _C.kMegaMoEDeltaBlockBytes == 512
+
+
+# --------------------------------------------------------------------------------------------------
+# The permuted packed layout against the kernel's loads (a CPU model of the device code's indexing)
+# --------------------------------------------------------------------------------------------------
+
+def test_fp4_packed_byte_permutation_matches_the_kernel_header():
+    from deep_gemm import _C
+    from deep_gemm.mega import fp4_packed_byte_position
+    positions = [fp4_packed_byte_position(j) for j in range(64)]
+    assert sorted(positions) == list(range(64))
+    assert positions == [kernel_byte(j) for j in range(64)] == list(_C.kMegaMoEFP4PackedByte)
+    with pytest.raises(ValueError, match='k_byte'):
+        fp4_packed_byte_position(64)
+
+
+def test_fp4_permutation_puts_fragment_codes_in_one_chunk():
+    # SM90 wgmma m64nNk32 E4M3, A from registers: for K step ks, register i of the thread with
+    # q = lane % 4 holds K elements 32 ks + 4 q + 16 (i // 2) + [0, 4), lowest K in the lowest byte
+    # (rows lane / 4 + 8 (i % 2) of the warp's 16: the same K for both rows)
+    from deep_gemm.mega.transform import _packed_to_kernel_blocks
+    # One row of 2 K-blocks whose packed byte j holds j: a kernel byte then names its source byte
+    w = torch.arange(128, dtype=torch.uint8).reshape(1, 1, 128).repeat(1, 128, 1)
+    kernel = _packed_to_kernel_blocks(w)[0, 0]              # [K-blocks, 8192]
+    for kb in range(2):
+        row = kernel[kb, 5 * 64:6 * 64].tolist()              # row 5 of the block
+        for q in range(4):
+            chunk = row[16 * q:16 * q + 16]
+            for ks in range(4):
+                word = chunk[4 * ks:4 * ks + 4]               # 32-bit word ks of the chunk, bytes low to high
+                for i in range(4):
+                    # the register's 4 elements come from 2 bytes, the low nibble first: element
+                    # 2 j' + n of the checkpoint row is nibble n of source byte j'
+                    k0 = 32 * ks + 4 * q + 16 * (i // 2)
+                    half = word[2 * (i // 2):2 * (i // 2) + 2]   # low 16 bits for i < 2, high for i >= 2
+                    assert [x - kb * 64 for x in half] == [k0 // 2, k0 // 2 + 1]
+                # all 8 codes of the word lie in 32-wide group ks (one delta)
+                assert {(2 * (x - kb * 64)) // 32 for x in word} == {ks}
+
+
+def _prmt(a, b, sel):
+    # PTX prmt.b32 default mode: result byte i = byte (nibble i & 7) of {b, a}; nibble bit 3 replicates
+    # that byte's sign bit into all 8 bits
+    src = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+    out = 0
+    for i in range(4):
+        n = (sel >> (4 * i)) & 0xF
+        v = src[n & 7]
+        if n & 8:
+            v = 0xFF if v & 0x80 else 0
+        out |= v << (8 * i)
+    return out
+
+
+def _expand_e2m1x8(codes, mag_x, mag_y):
+    # The kernel's expand_e2m1x8: 8 codes -> E4M3 bytes of K [0, 4) and [16, 20) of a fragment pair
+    m = codes & 0x77777777
+    sgn_lo, sgn_hi = _prmt(0x80808080, 0x80808080, codes), _prmt(0x80808080, 0x80808080, codes >> 16)
+    return (_prmt(mag_x, mag_y, m) | ((sgn_lo << 1) & 0x80808080),
+            _prmt(mag_x, mag_y, m >> 16) | ((sgn_hi << 1) & 0x80808080))
+
+
+def _kernel_layout_case(seed):
+    # One 256-row x 128-K L1 stage (the first gate and up blocks of expert 0, K-block 0) in the kernel
+    # layout, the table rows the kernel's prmt reads (codes 0..7 of each delta, 8 bytes), and the
+    # stage's E4M3 bytes by the transform's dequant rule (fp4_expansion_table[delta, code])
+    from deep_gemm.mega.transform import _deltas_from_kernel_blocks, _packed_from_kernel_blocks, _unpack_e2m1_codes
+    (w1, sf1), l2 = fp4_pair(seed=seed, sf_low=105, sf_high=131)   # deltas up to the clamp (15)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')                            # lossy groups: expected here
+        t1, _ = transform_weights_for_mega_moe((w1, sf1), l2)
+    w, delta = t1[0][:1, :2, :1], t1[1][:1, :2, :1]
+    packed, deltas = w.flatten().tolist(), delta.flatten().tolist()  # [256 rows][64 bytes], [256 rows][4 groups]
+    table = fp4_expansion_table()
+    codes = _unpack_e2m1_codes(_packed_from_kernel_blocks(w))[0]                                 # [256, 128]
+    d = _deltas_from_kernel_blocks(delta)[0].to(torch.int64).repeat_interleave(32, dim=-1)
+    assert int(d.max()) == 15     # the clamped row of the table is covered
+    mag = [(int.from_bytes(bytes(table[r, :4].tolist()), 'little'), int.from_bytes(bytes(table[r, 4:8].tolist()), 'little'))
+           for r in range(16)]
+    return packed, deltas, mag, table[d, codes]
+
+
+def _word(data, offset):
+    return int.from_bytes(bytes(data[offset:offset + 4]), 'little')
+
+
+def test_fp4_wide_expansion_model_writes_the_swizzled_tile():
+    # expand_fp4_tile<256>: warp w of the 8 math warps, group u, lane l (t = 32 w + l) loads 16 bytes at
+    # 16 t + u * 4096 and its row's deltas at (t & ~3) + u * 256, expands word ks into (ks, hi = 0 / 1),
+    # and stores with two stmatrix.x4 at out and out ^ 64 (+ u * 8192); stmatrix: lane 8 m + j gives
+    # the address of row j of matrix m, whose 16 bytes are register m of lanes 4 j .. 4 j + 3
+    packed, deltas, mag, expected = _kernel_layout_case(seed=61)
+    tile = bytearray(256 * 128)
+    for w in range(8):
+        for u in range(4):
+            regs, addrs = [], []
+            for lane in range(32):
+                t = 32 * w + lane
+                offset, d4 = 16 * t + u * 4096, _word(deltas, (t & ~3) + u * 256)
+                e = [_expand_e2m1x8(_word(packed, offset + 4 * ks), *mag[(d4 >> (8 * ks)) & 15]) for ks in range(4)]
+                regs.append(([e[0][0], e[0][1], e[1][0], e[1][1]], [e[2][0], e[2][1], e[3][0], e[3][1]]))
+                out = t // 32 * 1024 + t % 8 * 128 + (((t // 8 % 4) ^ (t % 8)) << 4) + u * 8192
+                addrs.append((out, (out ^ 64)))
+            for x in range(2):
+                for m in range(4):
+                    for j in range(8):
+                        a = addrs[8 * m + j][x]
+                        for word in range(4):
+                            tile[a + 4 * word:a + 4 * word + 4] = regs[4 * j + word][x][m].to_bytes(4, 'little')
+    # 128B swizzle (TMA's, what the wgmma descriptor reads): chunk c of row r at r // 8 * 1024 + r % 8 * 128 + (c ^ r % 8) * 16
+    got = torch.empty(256, 128, dtype=torch.uint8)
+    for r in range(256):
+        for c in range(8):
+            a = r // 8 * 1024 + r % 8 * 128 + ((c ^ (r % 8)) * 16)
+            got[r, 16 * c:16 * c + 16] = torch.tensor(list(tile[a:a + 16]), dtype=torch.uint8)
+    assert torch.equal(got, expected)
+
+
+def test_fp4_narrow_fragment_model_matches_the_wgmma_layout():
+    # narrow_fp4_fragments: thread (wg, warp, lane) of row block rb loads 16 bytes at row * 64 + 16 (lane % 4)
+    # for rows rb * 128 + 64 wg + 16 warp + lane / 4 (+ 8), 4 deltas at row * 4; frag[ks][h] / frag[ks][2 + h]
+    # must be the E4M3 bytes of that row at K 32 ks + 4 (lane % 4) + [0, 4) / + 16 (the wgmma A layout)
+    packed, deltas, mag, expected = _kernel_layout_case(seed=67)
+    for rb in range(2):
+        for wg in range(2):
+            for warp in range(4):
+                for lane in range(32):
+                    q = lane % 4
+                    for h in range(2):
+                        row = rb * 128 + wg * 64 + warp * 16 + lane // 4 + 8 * h
+                        d4 = _word(deltas, row * 4)
+                        for ks in range(4):
+                            lo, hi = _expand_e2m1x8(_word(packed, row * 64 + 16 * q + 4 * ks), *mag[(d4 >> (8 * ks)) & 15])
+                            k0 = 32 * ks + 4 * q
+                            assert list(lo.to_bytes(4, 'little')) == expected[row, k0:k0 + 4].tolist()
+                            assert list(hi.to_bytes(4, 'little')) == expected[row, k0 + 16:k0 + 20].tolist()

@@ -185,6 +185,9 @@ inline void register_apis(pybind11::module_& m) {
     m.attr("kNumStatusWords") = buffer_layout::kNumStatusWords;
     // Formats and development aids whose numbers Python code must agree with
     m.attr("kMegaMoEDeltaBlockBytes") = kMegaMoEDeltaBlockBytes;
+    py::list fp4_packed_byte;     // [k_byte] -> byte of the row's permuted 64 (transform.py must agree)
+    for (int j = 0; j < kMegaMoEPackedRowBytes; ++j) fp4_packed_byte.append(mega_moe_fp4_packed_byte(j));
+    m.attr("kMegaMoEFP4PackedByte") = py::tuple(fp4_packed_byte);
     m.attr("kTraceSlots") = static_cast<int>(kTraceSlots);
     m.attr("kTraceKbReady") = static_cast<int>(kTraceKbReady);
     m.attr("kTraceKbIssue") = static_cast<int>(kTraceKbIssue);

@@ -21,20 +21,31 @@ Gate/up interleave: l1 rows become [gate 0:128, up 0:128, gate 128:256, up 128:2
 kernel's 256-row L1 N-block holds 128 gate rows and the matching 128 up rows and one thread's
 accumulators hold both halves of SwiGLU.
 
-MXFP4 rebasing: WGMMA has no FP4 input on SM90, so the kernel expands E2M1 to E4M3 in shared memory
-with a byte lookup. For every 128 x 128 block (128 rows x 4 groups of 32 along K per row) the base
-exponent b is the largest UE8M0 exponent s of the block; each group stores delta = b - s (clamped to
-15) and the block stores block_scale = 2^(b - 127 - 6), applied in FP32 at promotion. Nibble c of a
-group with delta d expands to RNE_e4m3(e2m1(c) * 2^(6 - d)): exact for d <= 14, because E2M1 values
-have one mantissa bit and E4M3 subnormals reach 2^-9 (0.5 * 2^(6-14) = 2^-9), and 6 * 2^6 = 384 <= 448
-never overflows. Groups with d > 14 lose their smallest values (or all of them); the transform warns
-with the count and the error, see `mxfp4_transform_error`.
+MXFP4 rebasing: WGMMA has no FP4 input on SM90, so the kernel expands E2M1 to E4M3 (in shared memory,
+or in registers on decode tiles) with a byte lookup. For every 128 x 128 block (128 rows x 4 groups of
+32 along K per row) the base exponent b is the largest UE8M0 exponent s of the block; each group stores
+delta = b - s (clamped to 15) and the block stores block_scale = 2^(b - 127 - 6), applied in FP32 at
+promotion. Nibble c of a group with delta d expands to RNE_e4m3(e2m1(c) * 2^(6 - d)): exact for d <=
+14, because E2M1 values have one mantissa bit and E4M3 subnormals reach 2^-9 (0.5 * 2^(6-14) = 2^-9),
+and 6 * 2^6 = 384 <= 448 never overflows. Groups with d > 14 lose their smallest values (or all of
+them); the transform warns with the count and the error, see `mxfp4_transform_error`.
 
 Packed layout (kernel format): uint8 [E, N/128, K/128, 8192], one contiguous 8 KB block per 128 x 128
-weight block: byte r * 64 + j is byte j of row r's 64 packed bytes of the K-block (elements 2j, 2j + 1
-in the low, high nibble), so the kernel streams a K-block of 128 rows as one contiguous copy instead
-of 128 rows of 64 bytes K/2 bytes apart. w[e, nb, kb, r * 64 + j] is byte kb * 64 + j of row
+weight block, so the kernel streams a K-block of 128 rows as one contiguous copy instead of 128 rows
+of 64 bytes K/2 bytes apart. Row r of the block owns bytes r * 64 .. r * 64 + 63, which hold its 64
+packed bytes of the K-block permuted: byte j = 16 ks + 8 hi + 2 q + b of the K-block (elements 2j,
+2j + 1 in the low, high nibble; ks, q in 0..3, hi, b in 0..1) is stored at 16 q + 4 ks + 2 hi + b
+(`fp4_packed_byte_position`). Nibble order within a byte is unchanged. So
+w[e, nb, kb, r * 64 + 16 q + 4 ks + 2 hi + b] is byte kb * 64 + 16 ks + 8 hi + 2 q + b of row
 nb * 128 + r of the checkpoint-order [E, N, K/2] (after the l1 interleave).
+
+Why: on SM90 the 32-wide K step ks of a wgmma A fragment (E4M3, A in registers) gives the thread with
+lane % 4 = q the elements 32 ks + 4 q + [0, 4) and 32 ks + 16 + 4 q + [0, 4) of its rows. After the
+permutation the 16-byte chunk q of a row (bytes 16 q .. 16 q + 15) holds exactly those codes for all 4
+K steps, one 32-bit word per K step (low 16 bits: 32 ks + 4 q + [0, 4), high 16 bits: the same + 16),
+and word ks lies in 32-wide group ks, i.e. one delta. A thread loads its fragment codes of a row with
+one 16-byte load, and a warp's 32 lanes (8 rows x 4 chunks) read 512 contiguous bytes. The same words
+are the stmatrix fragments the kernel uses to write the shared-memory E4M3 tile of its wide tiles.
 
 Delta layout (kernel format): uint8 [E, N/128, K/128, 512], one contiguous 512-byte block per
 128 x 128 weight block, so the kernel fetches one K-block's deltas of a 128-row weight block with a
@@ -70,6 +81,10 @@ FP4_MAX_DELTA = 15
 FP4_DELTA_BLOCK_BYTES = WEIGHT_BLOCK * (WEIGHT_BLOCK // MXFP4_GROUP)
 # Bytes of one 128 x 128 weight block's packed E2M1 codes in the kernel layout: 128 rows x 64 bytes
 FP4_PACKED_BLOCK_BYTES = WEIGHT_BLOCK * WEIGHT_BLOCK // 2
+# Packed bytes of one row of a 128-wide K-block, and the chunk of them that holds one thread's wgmma
+# A fragment codes of the row for the K-block's 4 K steps (module docstring)
+FP4_PACKED_ROW_BYTES = WEIGHT_BLOCK // 2
+FP4_FRAGMENT_CHUNK_BYTES = 16
 _UE8M0_NAN = 255
 
 WeightsBF16 = torch.Tensor
@@ -179,16 +194,38 @@ def _deltas_from_kernel_blocks(delta: torch.Tensor) -> torch.Tensor:
     return _unblocks(delta.reshape(e, nb, kb, WEIGHT_BLOCK, WEIGHT_BLOCK // MXFP4_GROUP)).contiguous()
 
 
+def fp4_packed_byte_position(k_byte: int) -> int:
+    """Where byte `k_byte` (0..63) of a row's packed K-block lands in the kernel layout's 64 bytes of
+    that row: 16 ks + 8 hi + 2 q + b -> 16 q + 4 ks + 2 hi + b (module docstring). The kernel header's
+    `mega_moe_fp4_packed_byte` is the same map (`deep_gemm._C.kMegaMoEFP4PackedByte`, tested)."""
+    if not 0 <= k_byte < FP4_PACKED_ROW_BYTES:
+        raise ValueError(f'k_byte must be in [0, {FP4_PACKED_ROW_BYTES}), got {k_byte}')
+    ks, hi, q, b = k_byte // 16, k_byte // 8 % 2, k_byte // 2 % 4, k_byte % 2
+    return FP4_FRAGMENT_CHUNK_BYTES * q + 4 * ks + 2 * hi + b
+
+
+def _permute_packed_rows(blocks: torch.Tensor) -> torch.Tensor:
+    """[..., 64] bytes of rows in K order -> the kernel's permuted order: [ks, hi, q, b] -> [q, ks, hi, b]."""
+    return blocks.reshape(*blocks.shape[:-1], 4, 2, 4, 2).movedim(-2, -4).reshape(blocks.shape)
+
+
+def _unpermute_packed_rows(blocks: torch.Tensor) -> torch.Tensor:
+    """Inverse of `_permute_packed_rows`: [q, ks, hi, b] -> [ks, hi, q, b]."""
+    return blocks.reshape(*blocks.shape[:-1], 4, 4, 2, 2).movedim(-4, -2).reshape(blocks.shape)
+
+
 def _packed_to_kernel_blocks(w: torch.Tensor) -> torch.Tensor:
-    """Row-major packed E2M1 [E, N, K/2] -> the kernel's [E, N/128, K/128, 8192] (module docstring)."""
+    """Row-major packed E2M1 [E, N, K/2] -> the kernel's [E, N/128, K/128, 8192] (module docstring):
+    blocked, each row's 64 bytes of a K-block permuted."""
     e, n, half_k = w.shape
-    return _blocks(w, WEIGHT_BLOCK // 2).reshape(e, n // WEIGHT_BLOCK, half_k * 2 // WEIGHT_BLOCK, FP4_PACKED_BLOCK_BYTES).contiguous()
+    blocks = _permute_packed_rows(_blocks(w, FP4_PACKED_ROW_BYTES))   # [E, NB, KB, 128, 64]
+    return blocks.reshape(e, n // WEIGHT_BLOCK, half_k * 2 // WEIGHT_BLOCK, FP4_PACKED_BLOCK_BYTES).contiguous()
 
 
 def _packed_from_kernel_blocks(w: torch.Tensor) -> torch.Tensor:
     """Inverse of `_packed_to_kernel_blocks`: [E, N/128, K/128, 8192] -> [E, N, K/2]."""
     e, nb, kb, _ = w.shape
-    return _unblocks(w.reshape(e, nb, kb, WEIGHT_BLOCK, WEIGHT_BLOCK // 2)).contiguous()
+    return _unblocks(_unpermute_packed_rows(w.reshape(e, nb, kb, WEIGHT_BLOCK, FP4_PACKED_ROW_BYTES))).contiguous()
 
 
 def _unpack_e2m1_codes(packed: torch.Tensor) -> torch.Tensor:
@@ -356,8 +393,8 @@ def dequant_mega_moe_fp4(w: torch.Tensor, delta: torch.Tensor, block_scale: torc
     """The weights the kernel computes with, from its FP4 format, exactly, in float32.
 
     Args:
-        w: uint8 [E, N/128, K/128, 8192] packed E2M1 blocks (see the module docstring; element 2j
-            of a row in the low nibble of byte j).
+        w: uint8 [E, N/128, K/128, 8192] packed E2M1 blocks (see the module docstring: 64 bytes per
+            row, permuted within the row for the kernel's fragment loads).
         delta: uint8 [E, N/128, K/128, 512], 0..15: each group's exponent below its block's base;
             delta[e, nb, kb, r * 4 + g] belongs to row nb * 128 + r, K elements
             [(kb * 4 + g) * 32, (kb * 4 + g + 1) * 32) (see the module docstring).
@@ -455,10 +492,10 @@ def transform_weights_for_mega_moe(l1_weights: Weights, l2_weights: Weights) -> 
     l1 rows are [gate | up]. Returns (l1, l2) for `bf16_mega_moe` / `fp8_mega_moe` / `fp8_fp4_mega_moe`:
     l1 gate/up interleaved in blocks of 128 rows; MXFP4 becomes (w uint8 [E, N/128, K/128, 8192], delta
     uint8 [E, N/128, K/128, 512], block_scale float32 [E, N/128, K/128]): per 128 x 128 weight block one
-    contiguous 8 KB block of packed codes (w[e, nb, kb, r * 64 + j] = byte kb * 64 + j of row nb * 128 + r)
-    and one 512-byte block of deltas (delta[e, nb, kb, r * 4 + g] = row nb * 128 + r, group kb * 4 + g),
-    rows after the l1 interleave. Warns when MXFP4 groups lose precision (see `mxfp4_transform_error`).
-    Runs on the inputs' device.
+    contiguous 8 KB block of packed codes (w[e, nb, kb, r * 64 + fp4_packed_byte_position(j)] = byte
+    kb * 64 + j of row nb * 128 + r) and one 512-byte block of deltas (delta[e, nb, kb, r * 4 + g] =
+    row nb * 128 + r, group kb * 4 + g), rows after the l1 interleave. Warns when MXFP4 groups lose
+    precision (see `mxfp4_transform_error`). Runs on the inputs' device.
     """
     kind = _detect_format(l1_weights, l2_weights)
     if kind == 'bf16xbf16':

@@ -140,7 +140,8 @@ inline MegaMoEConfig launch_sm90_mega_moe(const SM90MegaMoEArgs& a) {
     // FP8 x FP4 weights: blocks of 128 rows x 64 packed bytes, one per 128 x 128 weight block and
     // contiguous ([E, N/128, K/128, 8192], transform.py), seen as rows of 64 bytes; a box is one
     // block (the kernel loads a 256-row L1 tile as two), unswizzled (the math warpgroups expand it
-    // into the swizzled E4M3 tile)
+    // into the swizzled E4M3 tile or, on narrow tiles, into wgmma A fragments; the transform permutes
+    // each row's 64 bytes for those loads, mega_moe_fp4_packed_byte)
     const bool fp4 = a.mma_type == MmaType::kFP8xFP4;
     const auto w_tma = [&](int64_t ptr, uint64_t k, uint64_t rows, uint32_t box_rows) {
         return fp4 ? make_kmajor_tma(ptr, CU_TENSOR_MAP_DATA_TYPE_UINT8, kMegaMoEPackedRowBytes, rows * (k / 128),

@@ -39,8 +39,20 @@ constexpr int kMegaMoEEpilogueRowBytes = kMegaMoEBlockNL2 * 2 + 16;  // BF16 row
 DG_HOST_DEVICE constexpr int mega_moe_block_k(MmaType t) { return 128 / activation_bytes(t); }
 // FP8 x FP4: a stage holds the packed E2M1 B tile (256 rows x 64 bytes per 128-wide K-block); the
 // math warpgroups expand it into one E4M3 tile outside the stages (the wgmma of a K-block completes
-// before the next K-block is expanded), so a stage is 16 KB smaller than with FP8 weights
+// before the next K-block is expanded; narrow tiles expand into registers instead), so a stage is
+// 16 KB smaller than with FP8 weights
 constexpr int kMegaMoEPackedRowBytes = 64;
+// FP4 packed codes of one row and 128-wide K-block (transform_weights_for_mega_moe): the 64 bytes are
+// permuted so that the codes of one thread's wgmma A fragments (K step ks = 0..3, quad lane
+// q = lane % 4: K 32 ks + 4 q + [0, 4) and the same + 16) are one aligned 16-byte chunk, chunk q.
+// Byte 16 ks + 8 hi + 2 q + b of the row's K-block (K elements 32 ks + 16 hi + 4 q + 2 b, + 1 in
+// the low, high nibble) is stored at byte 16 q + 4 ks + 2 hi + b: 32-bit word ks of chunk q holds
+// K 32 ks + 4 q + [0, 4) in its low 16 bits and K 32 ks + 16 + 4 q + [0, 4) in its high 16 bits.
+constexpr int kMegaMoEFP4ChunkBytes = 16;
+DG_HOST_DEVICE constexpr int mega_moe_fp4_packed_byte(int k_byte) {
+    const int ks = k_byte / 16, hi = k_byte / 8 % 2, q = k_byte / 2 % 4, b = k_byte % 2;
+    return kMegaMoEFP4ChunkBytes * q + 4 * ks + 2 * hi + b;
+}
 DG_HOST_DEVICE constexpr int mega_moe_stage_b_bytes(MmaType t) {
     return t == MmaType::kFP8xFP4 ? kMegaMoEBlockNL1 * kMegaMoEPackedRowBytes : kMegaMoEBlockNL1 * 128;
 }

@@ -755,49 +755,84 @@ struct Kernel {
         if (mt.lane == 0) mbarrier_arrive(sm.empty + stage_iter % kNumStages);
     }
 
-    // FP8 x FP4: expand the stage's packed E2M1 B tile into the E4M3 tile the wgmma reads
+    // FP8 x FP4. Code c of a 32-wide group with exponent delta d becomes RNE_e4m3(e2m1(c) * 2^(6 - d)):
+    // the magnitude fp4_table[d][c & 7] with c's sign bit as bit 7 (E4M3 is sign-magnitude); the rest
+    // of the scale (2^(base - 133)) is the FP32 block scale applied at promotion. The packed codes
+    // are permuted within each row and K-block (mega_moe_fp4_packed_byte): word ks of the row's
+    // 16-byte chunk q holds the 8 codes of one wgmma fragment pair, K 32 ks + 4 q + [0, 4) (low 16
+    // bits) and K 32 ks + 16 + 4 q + [0, 4) (high 16 bits), all of delta group ks.
+    static constexpr bool fp4_chunks_hold_fragments() {
+        for (int ks = 0; ks < 4; ++ks)
+            for (int hi = 0; hi < 2; ++hi)
+                for (int q = 0; q < 4; ++q)
+                    for (int b = 0; b < 2; ++b)
+                        if (mega_moe_fp4_packed_byte(16 * ks + 8 * hi + 2 * q + b) != kMegaMoEFP4ChunkBytes * q + 4 * ks + 2 * hi + b) return false;
+        return true;
+    }
+    static_assert(not kFP4 or (fp4_chunks_hold_fragments() and kMegaMoEFP4ChunkBytes * 4 == kMegaMoEPackedRowBytes and
+                               mma::kWgmmaStepsPerKBlock == 4 and BLOCK_K / mma::kWgmmaStepsPerKBlock == 32),
+                  "chunk q = lane % 4 of a row, word ks = K step ks = 32-wide delta group ks: the layout the loads below assume");
+
+    // 8 codes (one 32-bit word of a chunk) -> E4M3 bytes of K [0, 4) (.x, from the low 16 bits) and
+    // K [16, 20) (.y) of the fragment pair, with `mag` the table row of their group's delta
+    __device__ __forceinline__ static uint2 expand_e2m1x8(uint32_t codes, uint2 mag) {
+        const uint32_t m = codes & 0x77777777u;
+        // magnitudes by the 3 low bits; the sign by prmt's sign-replicate mode on bytes 0x80:
+        // 0x80 for a positive code, 0xFF for a negative one, whose bit 6 shifted to bit 7 is the sign
+        const uint32_t sgn_lo = prmt(0x80808080u, 0x80808080u, codes), sgn_hi = prmt(0x80808080u, 0x80808080u, codes >> 16);
+        return make_uint2(prmt(mag.x, mag.y, m) | ((sgn_lo << 1) & 0x80808080u),
+                          prmt(mag.x, mag.y, m >> 16) | ((sgn_hi << 1) & 0x80808080u));
+    }
+    // The table row (E4M3 magnitudes of codes 0..7) of group g's delta in a row's delta word
+    __device__ __forceinline__ uint2 fp4_magnitudes(uint32_t deltas, int g) const {
+        // Weights are host data: mask the delta so a corrupted byte cannot index past the table
+        return ld_shared_v2(smem_addr(sm.fp4_table) + ((deltas >> (8 * g)) & 15) * 16);
+    }
+
+    // Wide tiles: expand the stage's packed B tile into the E4M3 tile the wgmma reads
     // (sm.expanded_b, one for all stages: every math thread passes the next stage's wait barrier
     // only after its wgmma on this tile completed), in the 128B-swizzled K-major layout that TMA
-    // would have produced, so the FP8 wgmma path runs unchanged. Code c of a 32-wide group with
-    // exponent delta d becomes RNE_e4m3(e2m1(c) * 2^(6 - d)): the magnitude fp4_table[d][c & 7] with
-    // c's sign bit as bit 7 (E4M3 is sign-magnitude); the rest of the scale (2^(base - 133)) is the
-    // FP32 block scale applied at promotion.
-    // Thread t expands the 16-element chunk t % 8 of rows t / 8 + 32 u, so every shared address is
-    // a per-thread base plus a constant; all loads are issued before the first use.
+    // would have produced, so the FP8 wgmma path runs unchanged. A warp takes 8-row groups
+    // warp, warp + 8, ...; lane l loads chunk l % 4 of row l / 4 (the warp's 32 lanes read the
+    // group's 512 contiguous bytes: no bank conflicts) and expands it into 8 words, word (ks, hi) =
+    // bytes 4 (l % 4) .. + 3 of the row's 16-byte chunk 2 ks + hi of the E4M3 tile: exactly the
+    // stmatrix fragment of 8 x 16-byte matrix (ks, hi), so two stmatrix.x4 write the group
+    // (chunk c of row r at r * 128 + (c ^ r % 8) * 16 in its 1024-byte atom).
     template <int kRows>
     __device__ void expand_fp4_tile(int s) {
-        constexpr int kPerThread = kRows / 32;
-        static_assert(kNumMathThreads == 256 and kRows % 128 == 0, "32 rows x 8 chunks per pass, whole delta blocks");
-        const int t = static_cast<int>(threadIdx.x) - 128, chunk = t & 7, r0 = t >> 3;
-        // [row][64 bytes]; deltas [row block][128 rows][4 groups], so row r0 + 32 u is 128 u bytes on
-        // from row r0; output [8-row atom][8 rows][8 chunks of 16 bytes, chunk XOR row], 4096 bytes per 32 rows
-        const uint32_t packed = smem_addr(sm.stage_b(s)) + r0 * kMegaMoEPackedRowBytes + chunk * 8;
-        const uint32_t deltas = smem_addr(sm.stage_deltas(s)) + r0 * 4 + (chunk >> 1);
-        const uint32_t table = smem_addr(sm.fp4_table);
-        const uint32_t out = smem_addr(sm.expanded_b) + (r0 >> 3) * 1024 + (r0 & 7) * 128 + ((chunk ^ (r0 & 7)) << 4);
-        uint2 q[kPerThread], mag[kPerThread];
+        constexpr int kMathWarps = kNumMathThreads / 32, kGroups = kRows / 8 / kMathWarps;
+        static_assert(kNumMathThreads == 256 and kRows % (8 * kMathWarps) == 0 and kRows % 128 == 0,
+                      "whole 8-row groups per warp, whole delta blocks");
+        // Math thread t = 32 warp + lane, read here rather than taken from the caller: from values live
+        // across the task loop ptxas spilled the row index (one local load per K-block at BLOCK_M = 128);
+        // these addresses cost a few integer instructions per tile
+        uint32_t tid;
+        asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+        const uint32_t t = tid - 128;
+        // Lane's row of group u: 8 (warp + 8 u) + lane / 4. Packed [row][64 bytes]: chunk lane % 4 of
+        // row 8 warp + lane / 4 is at 16 t; deltas [row][4 groups] at 4 (t / 4) (the delta blocks of
+        // consecutive 128-row blocks are adjacent, as the packed blocks)
+        const uint32_t packed = smem_addr(sm.stage_b(s)) + t * kMegaMoEFP4ChunkBytes;
+        const uint32_t deltas = smem_addr(sm.stage_deltas(s)) + (t & ~3u);
+        // stmatrix addresses in 1024-byte atoms: row t % 8 of the group, chunk t / 8 % 4 (first x4)
+        // and 4 + t / 8 % 4 (second: the tile is 1024-aligned, so that is bit 6 flipped)
+        const uint32_t out = smem_addr(sm.expanded_b) + t / 32 * 1024 + t % 8 * 128 + (((t / 8 % 4) ^ (t % 8)) << 4);
+        constexpr int kGroupStride = 8 * kMathWarps;   // rows between a warp's groups
+        uint4 codes[kGroups];
+        uint32_t d4[kGroups];
         #pragma unroll
-        for (int u = 0; u < kPerThread; ++u) {
-            q[u] = ld_shared_v2(packed + u * 32 * kMegaMoEPackedRowBytes);
-            // Weights are host data: mask the delta so a corrupted byte cannot index past the table
-            mag[u].x = ld_shared_u8(deltas + u * 128) & 15;
+        for (int u = 0; u < kGroups; ++u) {
+            codes[u] = ld_shared_v4(packed + u * kGroupStride * kMegaMoEPackedRowBytes);
+            d4[u] = ld_shared_u32(deltas + u * kGroupStride * 4);
         }
         #pragma unroll
-        for (int u = 0; u < kPerThread; ++u) mag[u] = ld_shared_v2(table + mag[u].x * 16);   // codes 0..7 of delta d
-        #pragma unroll
-        for (int u = 0; u < kPerThread; ++u) {
-            uint32_t o[4];
+        for (int u = 0; u < kGroups; ++u) {
+            uint2 e[mma::kWgmmaStepsPerKBlock];
             #pragma unroll
-            for (int w = 0; w < 2; ++w) {
-                const uint32_t codes = w == 0 ? q[u].x : q[u].y;   // 8 nibbles, element order
-                const uint32_t m = codes & 0x77777777u;
-                // magnitudes by the 3 low bits; the sign by prmt's sign-replicate mode on bytes 0x80:
-                // 0x80 for a positive code, 0xFF for a negative one, whose bit 6 shifted to bit 7 is the sign
-                const uint32_t sgn_lo = prmt(0x80808080u, 0x80808080u, codes), sgn_hi = prmt(0x80808080u, 0x80808080u, codes >> 16);
-                o[2 * w] = prmt(mag[u].x, mag[u].y, m) | ((sgn_lo << 1) & 0x80808080u);
-                o[2 * w + 1] = prmt(mag[u].x, mag[u].y, m >> 16) | ((sgn_hi << 1) & 0x80808080u);
-            }
-            st_shared_v4(out + u * 4096, o[0], o[1], o[2], o[3]);
+            for (int ks = 0; ks < mma::kWgmmaStepsPerKBlock; ++ks) e[ks] = expand_e2m1x8(word_of(codes[u], ks), fp4_magnitudes(d4[u], ks));
+            const uint32_t group = u * kGroupStride / 8 * 1024;
+            stmatrix_x4(out + group, e[0].x, e[0].y, e[1].x, e[1].y);
+            stmatrix_x4((out ^ 64) + group, e[2].x, e[2].y, e[3].x, e[3].y);
         }
         // The wgmma (async proxy) reads what these generic stores wrote; every math warpgroup
         // reads the whole tile, so all of them must be done expanding
@@ -1101,6 +1136,36 @@ struct Kernel {
         __device__ int token(int i) const { return c0 + i % 2; }
     };
 
+    // FP8 x FP4 on a narrow tile: the weights are the wgmma A side, which may come from registers,
+    // so each thread expands exactly its own A fragments (no E4M3 tile in shared memory, no proxy
+    // fence, no barrier across warpgroups). Rows 64 wg + 16 warp + lane / 4 (+ 8) of 128-row block
+    // `rb`: per row one 16-byte load of chunk lane % 4 (a warp reads 8 consecutive rows, 512
+    // contiguous bytes: no bank conflicts), one 32-bit load of its 4 deltas and 4 table rows;
+    // word ks of the chunk expands to frag[ks][h] (K 32 ks + 4 (lane % 4) + [0, 4)) and frag[ks][2 + h]
+    // (the same + 16), the layout of mma::WgmmaRS. Same rule as expand_fp4_tile (bit-identical).
+    using FP4Fragments = uint32_t[mma::kWgmmaStepsPerKBlock][4];
+    __device__ void narrow_fp4_fragments(int s, int rb, const MathThread& mt, FP4Fragments& frag) const {
+        const int row = rb * 128 + mt.wg * 64 + mt.warp * 16 + mt.lane / 4;
+        const uint32_t packed = smem_addr(sm.stage_b(s)) + row * kMegaMoEPackedRowBytes + (mt.lane % 4) * kMegaMoEFP4ChunkBytes;
+        const uint32_t deltas = smem_addr(sm.stage_deltas(s)) + row * 4;
+        uint4 codes[2];
+        uint32_t d4[2];
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            codes[h] = ld_shared_v4(packed + h * 8 * kMegaMoEPackedRowBytes);
+            d4[h] = ld_shared_u32(deltas + h * 8 * 4);
+        }
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            #pragma unroll
+            for (int ks = 0; ks < mma::kWgmmaStepsPerKBlock; ++ks) {
+                const uint2 e = expand_e2m1x8(word_of(codes[h], ks), fp4_magnitudes(d4[h], ks));
+                frag[ks][h] = e.x;
+                frag[ks][2 + h] = e.y;
+            }
+        }
+    }
+
     // L1 on a narrow tile: gate and up of this warpgroup's 64 rows. Also returns the top-k weights
     // of this thread's two tokens (ordered after the pull's writes by the stage wait).
     __device__ bool narrow_l1_mainloop(int m, uint32_t& stage_iter, const MathThread& mt, float (&gate)[4], float (&up)[4], float (&tok_w)[2]) {
@@ -1112,7 +1177,6 @@ struct Kernel {
         for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
             if (not wait_full_l1(kb, stage_iter, mt)) return false;
             const int s = stage_iter % kNumStages;
-            if constexpr (kFP4) expand_fp4_tile<kMegaMoEBlockNL1>(s);
             const uint64_t dt = mma::make_k_major_sw128_desc(sm.stage_a(s));
             const uint64_t dg = mma::make_k_major_sw128_desc(sm.mma_b(s) + gate_offset);
             const uint64_t du = mma::make_k_major_sw128_desc(sm.mma_b(s) + up_offset);
@@ -1120,14 +1184,22 @@ struct Kernel {
                 const float sa0 = sm.token_sf(s, nt.c0), sa1 = sm.token_sf(s, nt.c0 + 1);
                 const float sg = sm.weight_sf(s, 0), su = sm.weight_sf(s, 1);
                 float part_g[4], part_u[4];
+                FP4Fragments ag, au;     // FP8 x FP4: A fragments of gate (row block 0) and up (row block 1)
+                if constexpr (kFP4) narrow_fp4_fragments(s, 0, mt, ag), narrow_fp4_fragments(s, 1, mt, au);
                 mma::fence_operands(part_g), mma::fence_operands(part_u);
                 mma::warpgroup_arrive();
-                mma::FP8MmaN8::fma_k_block(dg, dt, part_g, false);
-                mma::FP8MmaN8::fma_k_block(du, dt, part_u, false);
+                if constexpr (kFP4) {
+                    mma::FP8MmaRegAN8::fma_k_block(ag, dt, part_g, false);
+                    mma::FP8MmaRegAN8::fma_k_block(au, dt, part_u, false);
+                } else {
+                    mma::FP8MmaN8::fma_k_block(dg, dt, part_g, false);
+                    mma::FP8MmaN8::fma_k_block(du, dt, part_u, false);
+                }
                 mma::warpgroup_commit();
                 if (kb == 0) narrow_read_token_weights(m, nt, tok_w);
                 mma::warpgroup_wait<0>();
                 mma::fence_operands(part_g), mma::fence_operands(part_u);
+                if constexpr (kFP4) mma::fence_fragments(ag), mma::fence_fragments(au);
                 release_stage(stage_iter, mt);
                 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
@@ -1241,19 +1313,22 @@ struct Kernel {
         for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
             if (not wait_full(stage_iter, mt)) return false;
             const int s = stage_iter % kNumStages;
-            if constexpr (kFP4) expand_fp4_tile<kMegaMoEBlockNL2>(s);
             const uint64_t dt = mma::make_k_major_sw128_desc(sm.stage_a(s));
             const uint64_t db = mma::make_k_major_sw128_desc(sm.mma_b(s) + b_offset);
             if constexpr (kFP8) {
                 const float sb = sm.weight_sf(s, 0);
                 const float s0 = sm.token_sf(s, nt.c0) * sb, s1 = sm.token_sf(s, nt.c0 + 1) * sb;
                 float part[4];
+                FP4Fragments ab;         // FP8 x FP4 only
+                if constexpr (kFP4) narrow_fp4_fragments(s, 0, mt, ab);
                 mma::fence_operands(part);
                 mma::warpgroup_arrive();
-                mma::FP8MmaN8::fma_k_block(db, dt, part, false);
+                if constexpr (kFP4) mma::FP8MmaRegAN8::fma_k_block(ab, dt, part, false);
+                else mma::FP8MmaN8::fma_k_block(db, dt, part, false);
                 mma::warpgroup_commit();
                 mma::warpgroup_wait<0>();
                 mma::fence_operands(part);
+                if constexpr (kFP4) mma::fence_fragments(ab);
                 release_stage(stage_iter, mt);
                 #pragma unroll
                 for (int i = 0; i < 4; ++i) acc[i] += part[i] * ((i & 1) ? s1 : s0);

@@ -64,10 +64,46 @@ struct WgmmaSS {
     }
 };
 
+// A from registers (RS), B from shared memory. For E4M3, a[i] holds 4 consecutive K elements
+// (lowest K in the lowest byte) of row (warp % 4) * 16 + lane / 4 + 8 * (i % 2), K offset
+// (lane % 4) * 4 + 16 * (i / 2) within the instruction's 32. The wgmma reads `a` asynchronously:
+// keep it live until the wait (fence_fragments after warpgroup_wait).
+template <typename Atom, int N>
+struct WgmmaRS {
+    static constexpr int kNumAccum = N;
+    using Fragment = uint32_t[4];
+
+    template <size_t... I>
+    __device__ __forceinline__ static void call(const Fragment& a, uint64_t b, float (&d)[N], bool accumulate, std::index_sequence<I...>) {
+        Atom::fma(a[0], a[1], a[2], a[3], b, d[I]..., accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
+    }
+
+    __device__ __forceinline__ static void fma(const Fragment& a, uint64_t desc_b, float (&d)[N], bool accumulate) {
+        call(a, desc_b, d, accumulate, std::make_index_sequence<N>{});
+    }
+
+    // One 128-byte K-block: a[ks] is K step ks's fragment
+    __device__ __forceinline__ static void fma_k_block(const Fragment (&a)[kWgmmaStepsPerKBlock], uint64_t desc_b, float (&d)[N], bool accumulate) {
+        #pragma unroll
+        for (int ks = 0; ks < kWgmmaStepsPerKBlock; ++ks)
+            fma(a[ks], advance_desc(desc_b, ks * kWgmmaKBytes), d, accumulate or ks > 0);
+    }
+};
+
+// Keep register A fragments live (and unmodified) until here: the wgmma that reads them has completed
+template <int M, int N>
+__device__ __forceinline__ void fence_fragments(uint32_t (&a)[M][N]) {
+    #pragma unroll
+    for (int i = 0; i < M; ++i)
+        #pragma unroll
+        for (int j = 0; j < N; ++j) asm volatile("" : "+r"(a[i][j]) :: "memory");
+}
+
 // 64 rows (one warpgroup) x N columns x K per instruction; accumulators: N/2 floats per thread.
 // Accumulator i of a thread holds row (warp % 4) * 16 + lane / 4 + 8 * ((i / 2) % 2) and column
 // (i / 4) * 8 + (lane % 4) * 2 + (i % 2).
 using FP8MmaN8 = WgmmaSS<cute::SM90::GMMA::MMA_64x8x32_F32E4M3E4M3_SS_TN<>, 4>;
+using FP8MmaRegAN8 = WgmmaRS<cute::SM90::GMMA::MMA_64x8x32_F32E4M3E4M3_RS_TN<>, 4>;
 using FP8MmaN64 = WgmmaSS<cute::SM90::GMMA::MMA_64x64x32_F32E4M3E4M3_SS_TN<>, 32>;
 using FP8MmaN128 = WgmmaSS<cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_SS_TN<>, 64>;
 using BF16MmaN8 = WgmmaSS<cute::SM90::GMMA::MMA_64x8x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>, 4>;

@@ -219,13 +219,25 @@ __device__ __forceinline__ int ld_volatile_shared_s32(uint32_t addr) {
     asm volatile("ld.volatile.shared.s32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
     return v;
 }
-__device__ __forceinline__ uint32_t ld_shared_u8(uint32_t addr) {
+__device__ __forceinline__ uint32_t ld_shared_u32(uint32_t addr) {
     uint32_t v;
-    asm volatile("ld.shared.u8 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
+    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
     return v;
 }
-__device__ __forceinline__ void st_shared_v4(uint32_t addr, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
-    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" :: "r"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+__device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : "memory");
+    return v;
+}
+// Word i (a compile-time constant after unrolling) of a 16-byte load
+__device__ __forceinline__ uint32_t word_of(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
+// Four 8 x 8 matrices of 16-bit elements (8 rows of 16 bytes each) into shared memory, one warp:
+// lane l gives the address of row l % 8 of matrix l / 8 (16-byte aligned, any row order) and holds
+// in register i the 32-bit word l % 4 (bytes 4 (l % 4) .. + 3) of row l / 4 of matrix i
+// (PTX ISA, stmatrix, sm_90)
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n"
+                 :: "r"(addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
 }
 // prmt.b32 in its default mode: byte i of the result is byte (sel nibble i & 7) of {b, a}, or, when
 // bit 3 of that nibble is set, that byte's bit 7 copied into all 8 bits (CUDA's __byte_perm
