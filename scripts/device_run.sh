@@ -23,11 +23,12 @@ if [ "${DG_RUN_SANITIZER:-0}" = "1" ]; then
         echo "memcheck [$args]: exit $rc $(grep -E 'ERROR SUMMARY|calc_diff' /tmp/san.log | tr '\n' ' ')"
         [ $rc = 0 ] || grep -m 40 -E '=========' /tmp/san.log
     done
-    for fmt in fp8xfp8 fp8xfp4; do
-        timeout 300 compute-sanitizer --tool racecheck --error-exitcode 9 python3 scripts/one_launch.py --sms 2 --tokens 8 --format $fmt > /tmp/san.log 2>&1
+    # narrow tiles (8 tokens) of both FP8 formats; wide FP8 x FP4 tiles (48 tokens: the stmatrix expansion)
+    for args in "--tokens 8 --format fp8xfp8" "--tokens 8 --format fp8xfp4" "--tokens 48 --format fp8xfp4"; do
+        timeout 300 compute-sanitizer --tool racecheck --error-exitcode 9 python3 scripts/one_launch.py --sms 2 $args > /tmp/san.log 2>&1
         rc=$?
-        { echo "=== racecheck $fmt: exit $rc"; cat /tmp/san.log; } >> "$OUT/sanitizer.log"
-        echo "racecheck $fmt: exit $rc $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY|calc_diff' /tmp/san.log | tr '\n' ' ')"
+        { echo "=== racecheck [$args]: exit $rc"; cat /tmp/san.log; } >> "$OUT/sanitizer.log"
+        echo "racecheck [$args]: exit $rc $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY|calc_diff' /tmp/san.log | tr '\n' ' ')"
         [ $rc = 0 ] || grep -m 12 -E '=========' /tmp/san.log
     done
     # The tool's own model of two correct patterns the kernel uses (scripts/racecheck_probe.cu)
