@@ -152,7 +152,13 @@ inline MegaMoEConfig launch_sm90_mega_moe(const SM90MegaMoEArgs& a) {
     CUtensorMap tm_l2_act = make_kmajor_tma(own + lay.l2_act.offset, dtype, i, rows, bk, config.block_m, i * act);
     CUtensorMap tm_l2_w = w_tma(a.l2_weights, i, e * h, kMegaMoEBlockNL2);
 
-    void* args[] = {&params, &tm_l1_act, &tm_l1_w, &tm_l2_act, &tm_l2_w};
+    // Narrow decode tiles read only the first kMegaMoENarrowRows rows of an M-block's A tile: the same
+    // pools in boxes of that many rows (passed to every kernel; used by BLOCK_M = 64 ones)
+    const uint32_t narrow_rows = static_cast<uint32_t>(std::min(kMegaMoENarrowRows, config.block_m));
+    CUtensorMap tm_l1_act_narrow = make_kmajor_tma(own + lay.l1_act.offset, dtype, h, rows, bk, narrow_rows, h * act);
+    CUtensorMap tm_l2_act_narrow = make_kmajor_tma(own + lay.l2_act.offset, dtype, i, rows, bk, narrow_rows, i * act);
+
+    void* args[] = {&params, &tm_l1_act, &tm_l1_w, &tm_l2_act, &tm_l2_w, &tm_l1_act_narrow, &tm_l2_act_narrow};
     jit::LaunchConfig launch_config;
     launch_config.grid = {static_cast<uint32_t>(config.num_sms), 1, 1};
     launch_config.block = {static_cast<uint32_t>(config.num_threads), 1, 1};

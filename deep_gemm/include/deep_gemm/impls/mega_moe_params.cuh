@@ -32,6 +32,9 @@ constexpr int kMegaMoEBlockNL1 = 256;        // 128 gate + 128 up rows (interlea
 constexpr int kMegaMoEBlockNL2 = 128;
 constexpr int kMegaMoEMaxLocalExperts = 512; // scheduler tables in shared memory
 constexpr int kMegaMoETaskRing = 4;          // scheduler -> roles task ring depth
+// Narrow decode tiles: M-blocks of a BLOCK_M = 64 kernel with at most this many tokens; their A
+// tiles are loaded as boxes of this many rows (the host builds a second activation tensor map)
+constexpr int kMegaMoENarrowRows = 8;
 // Two math warpgroups at every BLOCK_M: 128 rows -> 64 rows each; 64 rows -> split columns
 constexpr int kMegaMoENumMathWarpgroups = 2;
 constexpr int kMegaMoEEpilogueRowBytes = kMegaMoEBlockNL2 * 2 + 16;  // BF16 row + 16 B pad (bank spread)

@@ -109,6 +109,12 @@ __device__ __forceinline__ float silu(float g) {
     else return g / (1.0f + expf(-g));
 }
 
+// The kernel's TMA descriptors (__grid_constant__ parameters): activation pools (BLOCK_M-row boxes,
+// and kMegaMoENarrowRows-row boxes for narrow tiles) and weights
+struct TensorMaps {
+    const CUtensorMap *l1_act, *l1_w, *l2_act, *l2_w, *l1_act_narrow, *l2_act_narrow;
+};
+
 template <MmaType kMmaType, int BLOCK_M, int kNumStages, bool kFastMath>
 struct Kernel {
     static_assert(BLOCK_M == 64 or BLOCK_M == 128, "one or two math warpgroups of 64 rows");
@@ -124,6 +130,7 @@ struct Kernel {
     static constexpr int kNumThreads = 128 * (1 + kNumMathWGs);
     static constexpr int BLOCK_K = mega_moe_block_k(kMmaType);      // one 128-byte swizzle row
     static constexpr int kABytes = BLOCK_M * 128;
+    static constexpr int kNarrowABytes = kMegaMoENarrowRows * 128;   // A box of a narrow tile
     static constexpr int kBBytesL1 = kMegaMoEBlockNL1 * 128;
     static constexpr int kBBytesL2 = kMegaMoEBlockNL2 * 128;
     static constexpr int kStageBytes = mega_moe_stage_bytes(kMmaType, BLOCK_M);
@@ -533,8 +540,8 @@ struct Kernel {
 
     // ------------------------------------------------------------------------------------------
     // Scheduler + TMA producer (one lane)
-    __device__ void scheduler(const CUtensorMap* tm_l1_act, const CUtensorMap* tm_l1_w,
-                              const CUtensorMap* tm_l2_act, const CUtensorMap* tm_l2_w) {
+    __device__ void scheduler(const TensorMaps& tm) {
+        const CUtensorMap *tm_l1_w = tm.l1_w, *tm_l2_w = tm.l2_w;
         uint32_t stage_iter = 0;
         // Stages armed so far, and how many of them also have their A tile issued: on abort every
         // armed stage is completed and waited for, so no TMA write lands after the CTA has left
@@ -543,7 +550,7 @@ struct Kernel {
         auto* control = mine<uint32_t>(lay.control);
         const auto* arrival = mine<uint32_t>(lay.mblock_arrival);
         const auto* l1_done = mine<uint32_t>(lay.mblock_l1_done);
-        bool is_l1 = false;
+        bool is_l1 = false, narrow = false;
         int m = 0;
         // A stage's bytes are expected when it is claimed (B may be streamed before the task's inputs
         // are ready), but the producer arrives on its full barrier only here, after the acquire of
@@ -552,7 +559,10 @@ struct Kernel {
         // need no acquire of their own.
         auto issue_a = [&](uint32_t it) {
             const int s = it % kNumStages, kb = static_cast<int>(it - stage_iter);
-            tma_load_2d(sm.stage_a(s), is_l1 ? tm_l1_act : tm_l2_act, sm.full + s, kb * BLOCK_K, m * BLOCK_M);
+            // A narrow tile's math reads rows 0 .. kNarrowRows - 1 only: a box of those rows (the
+            // same bytes, same swizzle) instead of BLOCK_M rows, 7/8 less per stage to bring in
+            const CUtensorMap* tm_act = is_l1 ? (narrow ? tm.l1_act_narrow : tm.l1_act) : (narrow ? tm.l2_act_narrow : tm.l2_act);
+            tma_load_2d(sm.stage_a(s), tm_act, sm.full + s, kb * BLOCK_K, m * BLOCK_M);
             if constexpr (kStageSfBytes > 0) {
                 // the M-block's activation scales of this K-block: BLOCK_M contiguous floats (pool is M-major)
                 const float* sf = mine<float>(is_l1 ? lay.l1_sf : lay.l2_sf) + static_cast<int64_t>(kb) * lay.num_pool_rows + m * BLOCK_M;
@@ -585,7 +595,8 @@ struct Kernel {
             // FP8 x FP4: B arrives packed (64 bytes per row and K-block) with its exponent deltas
             // (4 bytes per row and K-block); the math warpgroups expand it
             const uint32_t b_bytes = kFP4 ? b_rows * (kMegaMoEPackedRowBytes + 4) : (is_l1 ? kBBytesL1 : kBBytesL2);
-            const uint32_t stage_bytes = kABytes + kStageSfBytes + b_bytes;
+            narrow = kSplitN and valid_rows(m, le) <= kNarrowRows;   // the math's choice of tile, same M-block
+            const uint32_t stage_bytes = (narrow ? kNarrowABytes : kABytes) + kStageSfBytes + b_bytes;
             const CUtensorMap* tm_w = is_l1 ? tm_l1_w : tm_l2_w;
             // FP4 packed codes and deltas: one block each per (128-row block, K-block), the blocks of a
             // row block K-major; block0 = the task's first row block at K-block 0
@@ -1128,7 +1139,7 @@ struct Kernel {
     // tokens are rows 0..7 of the stage's A tile, read as the K-major N side; the producer side is
     // unchanged. Accumulator i of a thread: weight row warp * 16 + lane / 4 + 8 * (i / 2) of the
     // warpgroup's 64, token (lane % 4) * 2 + i % 2.
-    static constexpr int kNarrowRows = 8;
+    static constexpr int kNarrowRows = kMegaMoENarrowRows;
     struct NarrowThread {
         int r0, c0;   // weight row of accumulators 0, 1 within the warpgroup's 64; token of accumulators 0, 2
         __device__ explicit NarrowThread(const MathThread& mt) : r0(mt.warp * 16 + mt.lane / 4), c0((mt.lane % 4) * 2) {}
@@ -1423,7 +1434,7 @@ struct Kernel {
     }
 
     // ------------------------------------------------------------------------------------------
-    __device__ void run(const CUtensorMap* tm_l1_act, const CUtensorMap* tm_l1_w, const CUtensorMap* tm_l2_act, const CUtensorMap* tm_l2_w) {
+    __device__ void run(const TensorMaps& tm) {
         const int warp = warp_idx();
         auto* control = mine<uint32_t>(lay.control);
         SharedControl* ctrl = sm.ctrl;
@@ -1458,8 +1469,9 @@ struct Kernel {
             }
         }
         if (warp == 0 and lane_idx() == 0) {
-            prefetch_tma_descriptor(tm_l1_act), prefetch_tma_descriptor(tm_l1_w);
-            prefetch_tma_descriptor(tm_l2_act), prefetch_tma_descriptor(tm_l2_w);
+            prefetch_tma_descriptor(tm.l1_act), prefetch_tma_descriptor(tm.l1_w);
+            prefetch_tma_descriptor(tm.l2_act), prefetch_tma_descriptor(tm.l2_w);
+            if constexpr (kSplitN) prefetch_tma_descriptor(tm.l1_act_narrow), prefetch_tma_descriptor(tm.l2_act_narrow);
         }
         __syncthreads();
         epoch = ctrl->epoch;
@@ -1492,7 +1504,7 @@ struct Kernel {
             if (warp < 4) {
                 setmaxnreg_dec<kProducerRegisters>();
                 if (warp == 0) {
-                    if (elect_one()) scheduler(tm_l1_act, tm_l1_w, tm_l2_act, tm_l2_w);
+                    if (elect_one()) scheduler(tm);
                     __syncwarp();
                 } else {
                     dispatch_worker();
@@ -1545,9 +1557,10 @@ struct Kernel {
     extern "C" __global__ void __launch_bounds__(deep_gemm::sm90_mega_moe::Kernel<MMA_TYPE, BLOCK_M, NUM_STAGES, FAST_MATH>::kNumThreads, 1) \
     NAME(const __grid_constant__ deep_gemm::MegaMoEParams params, const __grid_constant__ CUtensorMap tm_l1_act,       \
          const __grid_constant__ CUtensorMap tm_l1_w, const __grid_constant__ CUtensorMap tm_l2_act,                   \
-         const __grid_constant__ CUtensorMap tm_l2_w) {                                                               \
+         const __grid_constant__ CUtensorMap tm_l2_w, const __grid_constant__ CUtensorMap tm_l1_act_narrow,            \
+         const __grid_constant__ CUtensorMap tm_l2_act_narrow) {                                                      \
         extern __shared__ __align__(1024) uint8_t dg_smem[];                                                          \
         auto* base = reinterpret_cast<uint8_t*>(deep_gemm::align_up<uintptr_t>(reinterpret_cast<uintptr_t>(dg_smem), 1024)); \
         deep_gemm::sm90_mega_moe::Kernel<MMA_TYPE, BLOCK_M, NUM_STAGES, FAST_MATH> kernel(params, base);                          \
-        kernel.run(&tm_l1_act, &tm_l1_w, &tm_l2_act, &tm_l2_w);                                                        \
+        kernel.run({&tm_l1_act, &tm_l1_w, &tm_l2_act, &tm_l2_w, &tm_l1_act_narrow, &tm_l2_act_narrow});                \
     }
