@@ -187,3 +187,19 @@ def test_smem_breakdown_adds_up(mma_type, num_tokens):
     per_stage = c['smem_a_per_stage'] + c['smem_b_per_stage']
     assert c['num_stages'] * per_stage + c['smem_epilogue'] + c['smem_barriers'] == c['smem_bytes']
     assert c['smem_a_per_stage'] >= c['block_m'] * 128 and c['smem_barriers'] > 0
+
+
+def test_l2_task_width():
+    # 256-wide L2 tasks only for decode calls with a few tokens per expert whose 128-wide L2 tasks
+    # would outnumber the SMs (v4-flash at one token: 6 experts x 32 = 192 > 132)
+    assert config('fp8xfp8', num_ranks=1, num_experts=256, num_topk=6, hidden=4096, num_tokens=1)['block_n_l2'] == 256
+    # mid at one token: 8 experts x 16 = 128 tasks fit 132 SMs
+    assert config('fp8xfp8', num_ranks=1, num_experts=128, num_topk=8, hidden=2048, intermediate_hidden=768,
+                  num_tokens=1)['block_n_l2'] == 128
+    # ... but not on 64 SMs
+    assert config('fp8xfp8', num_ranks=1, num_experts=128, num_topk=8, hidden=2048, intermediate_hidden=768,
+                  num_tokens=1, num_sms=64)['block_n_l2'] == 256
+    # prefill (BLOCK_M 128) and decode with many tokens per expert keep 128
+    for n in (512, 8192):
+        assert config('fp8xfp8', num_ranks=1, num_experts=128, num_topk=8, hidden=2048, intermediate_hidden=768,
+                      num_tokens=n)['block_n_l2'] == 128

@@ -128,6 +128,17 @@ inline MegaMoEConfig launch_sm90_mega_moe(const SM90MegaMoEArgs& a) {
         return value;
     }();
     params.num_prefetch_stages = prefetch_override >= 0 ? std::min(prefetch_override, config.num_stages) : config.num_stages;
+    // Tuning aid (docs/KERNEL.md): DG_MEGA_MOE_L2_BLOCK_N = 128 or 256 overrides the heuristic's L2
+    // task width (256 only with BLOCK_M = 64, where both tile paths handle it)
+    static const int l2_block_n_override = [] {
+        const std::string v = jit::get_env("DG_MEGA_MOE_L2_BLOCK_N");
+        if (v.empty()) return 0;
+        if (v != "128" and v != "256")
+            jit::raise_invalid_argument("DG_MEGA_MOE_L2_BLOCK_N: expected 128 or 256, got '", v, "'");
+        return std::stoi(v);
+    }();
+    params.l2_block_n = l2_block_n_override > 0 and config.block_m == 64 ? l2_block_n_override : config.block_n_l2;
+    if (a.hidden % params.l2_block_n != 0) params.l2_block_n = kMegaMoEBlockNL2;
 
     const auto& lay = params.layout;
     const bool fp8 = is_fp8_activation(a.mma_type);

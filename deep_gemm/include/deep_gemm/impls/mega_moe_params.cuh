@@ -29,7 +29,7 @@ DG_HOST_DEVICE constexpr uint64_t make_status(StatusCode code, Phase phase, uint
 // ---------------------------------------------------------------------------------------------
 // Kernel shape constants shared by host and device
 constexpr int kMegaMoEBlockNL1 = 256;        // 128 gate + 128 up rows (interleaved by the transform)
-constexpr int kMegaMoEBlockNL2 = 128;
+constexpr int kMegaMoEBlockNL2 = 128;       // L2 tile; an L2 task is one or two (heuristics: block_n_l2)
 constexpr int kMegaMoEMaxLocalExperts = 512; // scheduler tables in shared memory
 constexpr int kMegaMoETaskRing = 4;          // scheduler -> roles task ring depth
 // Two math warpgroups at every BLOCK_M: 128 rows -> 64 rows each; 64 rows -> split columns
@@ -109,6 +109,7 @@ struct MegaMoEParams {
     uint64_t* host_status;              // pinned, host-mapped mirror of the status word, or nullptr
     uint64_t* trace;                    // [grid][kTraceSlots] %globaltimer stamps (scripts/trace.py), or nullptr
     int num_prefetch_stages;            // weight stages a task streams before its inputs are ready
+    int l2_block_n;                     // H columns of an L2 task: 128, or 256 (BLOCK_M = 64 only)
     // Every rank's buffer is on this GPU (EP1, virtual ranks): the cross-rank signals (counts,
     // combine rows and flags) need gpu scope only; else sys scope (peers over NVLink)
     int peers_on_this_gpu;

@@ -246,6 +246,9 @@ struct Kernel {
     __device__ int valid_rows(int m, int le) const {
         return max_of(0, min_of(BLOCK_M, sm.expert_tokens[le] - (m - sm.mblock_begin[le]) * BLOCK_M));
     }
+    // A decode M-block with few enough tokens to run as a narrow tile (the producer and the math
+    // decide alike: the producer streams a 256-wide L2 task of a wide M-block in two passes)
+    __device__ bool is_narrow(int m, int le) const { return kSplitN and valid_rows(m, le) <= kNarrowRows; }
 
     // ------------------------------------------------------------------------------------------
     // Count and reserve (whole CTA, the CTA holding ticket 0): every routed (token, slot) gets a
@@ -580,27 +583,25 @@ struct Kernel {
             const int le = expert_of_mblock(m);
 
             const int num_kb = (is_l1 ? lay.hidden : lay.intermediate_hidden) / BLOCK_K;
-            const int b_rows = is_l1 ? kMegaMoEBlockNL1 : kMegaMoEBlockNL2;
-            const int b_row0 = le * (is_l1 ? 2 * lay.intermediate_hidden : lay.hidden) + j * b_rows;
+            // The task's B rows: L1 256 (gate row block 2j, up 2j + 1); L2 p.l2_block_n. A 256-wide L2
+            // task of a wide (not narrow) M-block runs as two 128-row passes, one after the other,
+            // each a whole K loop (the math runs the 128-column tile twice)
+            const int task_row_blocks = is_l1 ? kMegaMoEBlockNL1 / 128 : p.l2_block_n / 128;
+            const int num_passes = (not is_l1 and task_row_blocks == 2 and not is_narrow(m, le)) ? 2 : 1;
+            const int b_rows = 128 * task_row_blocks / num_passes;
+            const int n_rows = is_l1 ? 2 * lay.intermediate_hidden : lay.hidden;   // B rows of one expert
             // FP8 x FP4: B arrives packed (64 bytes per row and K-block) with its exponent deltas
             // (4 bytes per row and K-block); the math warpgroups expand it
-            const uint32_t b_bytes = kFP4 ? b_rows * (kMegaMoEPackedRowBytes + 4) : (is_l1 ? kBBytesL1 : kBBytesL2);
+            const uint32_t b_bytes = kFP4 ? b_rows * (kMegaMoEPackedRowBytes + 4) : b_rows * 128;
             const uint32_t stage_bytes = kABytes + kStageSfBytes + b_bytes;
             const CUtensorMap* tm_w = is_l1 ? tm_l1_w : tm_l2_w;
-            // FP4 packed codes and deltas: one block each per (128-row block, K-block), the blocks of a
-            // row block K-major; block0 = the task's first row block at K-block 0
-            const uint8_t* deltas = nullptr;
+            const uint8_t* deltas = kFP4 ? (is_l1 ? p.l1_weight_deltas : p.l2_weight_deltas) : nullptr;
+            // Per pass: the first B row, the FP4 block of (first row block, K-block 0) (packed codes and
+            // deltas: one block each per (128-row block, K-block), the blocks of a row block K-major),
+            // and the FP32 weight block scales ([K-blocks] per 128-row block, adjacent row blocks adjacent)
+            int b_row0 = 0;
             int64_t block0 = 0;
-            // FP32 weight block scales, [K-blocks] per 128-row block: L1 gate row block 2j, up 2j + 1
             const float* w_sf = nullptr;
-            if constexpr (kFP8)
-                w_sf = is_l1 ? p.l1_weight_scales + (static_cast<int64_t>(le) * (2 * lay.intermediate_hidden / 128) + 2 * j) * num_kb
-                             : p.l2_weight_scales + (static_cast<int64_t>(le) * (lay.hidden / 128) + j) * num_kb;
-            if constexpr (kFP4) {
-                const int row_blocks = (is_l1 ? 2 * lay.intermediate_hidden : lay.hidden) / 128;
-                block0 = (static_cast<int64_t>(le) * row_blocks + j * (b_rows / 128)) * num_kb;
-                deltas = is_l1 ? p.l1_weight_deltas : p.l2_weight_deltas;
-            }
             auto claim_stage = [&](uint32_t it) {
                 const int s = it % kNumStages;
                 if (not bounded_wait(p, sm.ctrl, Phase::kPipeline, p.rank,
@@ -617,14 +618,17 @@ struct Kernel {
                         bulk_load(sm.stage_deltas(s) + rb * kMegaMoEDeltaBlockBytes, deltas + block * kMegaMoEDeltaBlockBytes,
                                   kMegaMoEDeltaBlockBytes, sm.full + s);
                     }
+                } else if (is_l1) {
+                    tma_load_2d(sm.stage_b(s), tm_w, sm.full + s, kb * BLOCK_K, b_row0);   // one 256-row box
                 } else {
-                    tma_load_2d(sm.stage_b(s), tm_w, sm.full + s, kb * BLOCK_K, b_row0);
+                    for (int rb = 0; rb < b_rows / 128; ++rb)                                // 128-row boxes
+                        tma_load_2d(sm.stage_b(s) + rb * 128 * 128, tm_w, sm.full + s, kb * BLOCK_K, b_row0 + rb * 128);
                 }
                 if constexpr (kFP8) {
-                    // The K-block's weight scales ride with the tile: 4-byte copies, so the full
-                    // barrier also waits for them (the math reads them from the stage)
+                    // The K-block's weight scales ride with the tile (one per 128-row block): 4-byte
+                    // copies, so the full barrier also waits for them (the math reads them from the stage)
                     cp_async_4(sm.stage_wsf(s), w_sf + kb);
-                    if (is_l1) cp_async_4(sm.stage_wsf(s) + 1, w_sf + num_kb + kb);
+                    if (b_rows == 256) cp_async_4(sm.stage_wsf(s) + 1, w_sf + num_kb + kb);
                     cp_async_arrive_on(sm.full + s);
                 }
                 armed_end = it + 1;
@@ -643,45 +647,53 @@ struct Kernel {
             const uint32_t probe = ld_relaxed_gpu(dep);
             const int num_prefetch = min_of(num_kb, min_of(kNumStages, p.num_prefetch_stages));
             bool ok = true, ready = false;
-            int a_next = 0;     // the first K-block whose A tile is not issued yet
-            for (int kb = 0; kb < num_kb and ok; ++kb) {
-                if (not ready and kb >= num_prefetch) {
-                    // acquire: L1 waits for its M-block's tokens, L2 for all L1 N-blocks of its M-block
-                    ok = bounded_wait(p, sm.ctrl, dep_phase, p.rank, [&] { return ld_acquire_gpu(dep) >= dep_target; });
+            for (int pass = 0; pass < num_passes and ok; ++pass) {
+                const int rb_first = j * task_row_blocks + pass;
+                b_row0 = le * n_rows + rb_first * 128;
+                if constexpr (kFP8)
+                    w_sf = (is_l1 ? p.l1_weight_scales : p.l2_weight_scales) + (static_cast<int64_t>(le) * (n_rows / 128) + rb_first) * num_kb;
+                if constexpr (kFP4) block0 = (static_cast<int64_t>(le) * (n_rows / 128) + rb_first) * num_kb;
+                int a_next = 0;     // the first K-block of this pass whose A tile is not issued yet
+                for (int kb = 0; kb < num_kb and ok; ++kb) {
+                    if (not ready and kb >= num_prefetch) {
+                        // acquire: L1 waits for its M-block's tokens, L2 for all L1 N-blocks of its M-block
+                        ok = bounded_wait(p, sm.ctrl, dep_phase, p.rank, [&] { return ld_acquire_gpu(dep) >= dep_target; });
+                        if (not ok) break;
+                        fence_proxy_async_global();
+                        ready = true;
+                        // The prefetched stages get their A tiles before the next claim, which may wait for
+                        // the math to release one of them (it cannot before its A arrives)
+                        for (; a_next < kb; ++a_next) {
+                            issue_a(stage_iter + a_next), a_issued_end = stage_iter + a_next + 1;
+                            if (is_l1 and a_next < kTraceKbSlots) trace(kTraceKbIssue + a_next, true);
+                        }
+                    }
+                    ok = claim_stage(stage_iter + kb);
                     if (not ok) break;
-                    fence_proxy_async_global();
-                    ready = true;
-                    // The prefetched stages get their A tiles before the next claim, which may wait for
-                    // the math to release one of them (it cannot before its A arrives)
-                    for (; a_next < kb; ++a_next) {
+                    if (kb == 0 and not ready and probe >= dep_target) {
+                        fence_acq_rel_gpu();          // after the relaxed probe: an acquire of the dependency
+                        fence_proxy_async_global();
+                        ready = true;
+                    }
+                    for (; ready and a_next <= kb; ++a_next) {
                         issue_a(stage_iter + a_next), a_issued_end = stage_iter + a_next + 1;
                         if (is_l1 and a_next < kTraceKbSlots) trace(kTraceKbIssue + a_next, true);
                     }
                 }
-                ok = claim_stage(stage_iter + kb);
-                if (not ok) break;
-                if (kb == 0 and not ready and probe >= dep_target) {
-                    fence_acq_rel_gpu();          // after the relaxed probe: an acquire of the dependency
-                    fence_proxy_async_global();
-                    ready = true;
-                }
-                for (; ready and a_next <= kb; ++a_next) {
-                    issue_a(stage_iter + a_next), a_issued_end = stage_iter + a_next + 1;
-                    if (is_l1 and a_next < kTraceKbSlots) trace(kTraceKbIssue + a_next, true);
-                }
-            }
-            if (ok and not ready) {   // every K-block was prefetched: wait, then all A tiles
-                ok = bounded_wait(p, sm.ctrl, dep_phase, p.rank, [&] { return ld_acquire_gpu(dep) >= dep_target; });
-                if (ok) {
-                    fence_proxy_async_global();
-                    for (; a_next < num_kb; ++a_next) {
-                        issue_a(stage_iter + a_next), a_issued_end = stage_iter + a_next + 1;
-                        if (is_l1 and a_next < kTraceKbSlots) trace(kTraceKbIssue + a_next, true);
+                if (ok and not ready) {   // every K-block was prefetched: wait, then all A tiles
+                    ok = bounded_wait(p, sm.ctrl, dep_phase, p.rank, [&] { return ld_acquire_gpu(dep) >= dep_target; });
+                    if (ok) {
+                        fence_proxy_async_global();
+                        ready = true;
+                        for (; a_next < num_kb; ++a_next) {
+                            issue_a(stage_iter + a_next), a_issued_end = stage_iter + a_next + 1;
+                            if (is_l1 and a_next < kTraceKbSlots) trace(kTraceKbIssue + a_next, true);
+                        }
                     }
                 }
+                if (ok) stage_iter += num_kb;
             }
             if (not ok) break;
-            stage_iter += num_kb;
         }
 
         // Aborted (or done: then nothing is pending). Stages armed without their A tile get it now
@@ -1044,7 +1056,9 @@ struct Kernel {
     // L2 epilogue: BF16 rows straight into the source rank's combine slot [k][token][hidden]. Each
     // warpgroup stages and copies out only its own part of the tile (its 64 rows, or split: its 64
     // columns), so the two never share shared-memory bytes here.
-    __device__ void l2_epilogue(int m, int j, int num_rows, const MathThread& mt, float (&acc)[kL2Acc]) {
+    // `j`: the 128-column block of H; `last`: the task's last tile (a 256-wide task of a wide M-block
+    // is two), which signals its completion
+    __device__ void l2_epilogue(int m, int j, int num_rows, const MathThread& mt, float (&acc)[kL2Acc], bool last = true) {
         uint8_t* tile = sm.epilogue + mt.row0() * kMegaMoEEpilogueRowBytes;
         const int col_base = kSplitN ? mt.wg * 64 : 0;      // columns of the 128-wide N-block
         #pragma unroll
@@ -1069,7 +1083,8 @@ struct Kernel {
             auto* dst = peer<uint8_t>(src, lay.combine) + ((static_cast<int64_t>(k) * n_max + token) * lay.hidden + j * 128) * 2 + col;
             *reinterpret_cast<int4*>(dst) = *reinterpret_cast<const int4*>(tile + r * kMegaMoEEpilogueRowBytes + col);
         }
-        finish_l2_task(mt);
+        if (last) finish_l2_task(mt);
+        else named_barrier(kBarrierMathBase + mt.wg, 128);   // the next tile rewrites the staging rows
     }
 
     // After a warpgroup's combine-row stores of an L2 task. Release (fence_peers: system scope when
@@ -1231,39 +1246,57 @@ struct Kernel {
         if (mt.tid == 0) red_release_gpu_add(mine<uint32_t>(lay.mblock_l1_done) + m, 1);
     }
 
-    // L2 on a narrow tile: this warpgroup's 64 of the block's 128 output columns
-    __device__ bool narrow_l2_mainloop(uint32_t& stage_iter, const MathThread& mt, float (&acc)[4]) {
+    // L2 on a narrow tile of kRowBlocks x 128 output columns (p.l2_block_n): warpgroup w takes
+    // the kRowBlocks 64-row M tiles [kRowBlocks w, kRowBlocks w + kRowBlocks) of the B tile, all in
+    // row block w when the tile is 256 wide (its weight scale: stage float w) and in the one row
+    // block when 128 (float 0)
+    template <int kRowBlocks>
+    __device__ bool narrow_l2_mainloop(uint32_t& stage_iter, const MathThread& mt, float (&acc)[kRowBlocks][4]) {
         const NarrowThread nt(mt);
         const int num_kb = lay.intermediate_hidden / BLOCK_K;
-        const uint32_t b_offset = mt.wg * 64 * 128;
         #pragma unroll
-        for (int i = 0; i < 4; ++i) acc[i] = 0.0f;
+        for (int t = 0; t < kRowBlocks; ++t)
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) acc[t][i] = 0.0f;
         for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
             if (not wait_full(stage_iter, mt)) return false;
             const int s = stage_iter % kNumStages;
-            if constexpr (kFP4) expand_fp4_tile<kMegaMoEBlockNL2>(s);
+            if constexpr (kFP4) expand_fp4_tile<kRowBlocks * 128>(s);
             const uint64_t dt = mma::make_k_major_sw128_desc(sm.stage_a(s));
-            const uint64_t db = mma::make_k_major_sw128_desc(sm.mma_b(s) + b_offset);
             if constexpr (kFP8) {
-                const float sb = sm.weight_sf(s, 0);
+                const float sb = sm.weight_sf(s, kRowBlocks == 2 ? mt.wg : 0);
                 const float s0 = sm.token_sf(s, nt.c0) * sb, s1 = sm.token_sf(s, nt.c0 + 1) * sb;
-                float part[4];
-                mma::fence_operands(part);
+                float part[kRowBlocks][4];
+                #pragma unroll
+                for (int t = 0; t < kRowBlocks; ++t) mma::fence_operands(part[t]);
                 mma::warpgroup_arrive();
-                mma::FP8MmaN8::fma_k_block(db, dt, part, false);
+                #pragma unroll
+                for (int t = 0; t < kRowBlocks; ++t) {
+                    const uint64_t db = mma::make_k_major_sw128_desc(sm.mma_b(s) + (kRowBlocks * mt.wg + t) * 64 * 128);
+                    mma::FP8MmaN8::fma_k_block(db, dt, part[t], false);
+                }
                 mma::warpgroup_commit();
                 mma::warpgroup_wait<0>();
-                mma::fence_operands(part);
+                #pragma unroll
+                for (int t = 0; t < kRowBlocks; ++t) mma::fence_operands(part[t]);
                 release_stage(stage_iter, mt);
                 #pragma unroll
-                for (int i = 0; i < 4; ++i) acc[i] += part[i] * ((i & 1) ? s1 : s0);
+                for (int t = 0; t < kRowBlocks; ++t)
+                    #pragma unroll
+                    for (int i = 0; i < 4; ++i) acc[t][i] += part[t][i] * ((i & 1) ? s1 : s0);
             } else {
-                mma::fence_operands(acc);
+                #pragma unroll
+                for (int t = 0; t < kRowBlocks; ++t) mma::fence_operands(acc[t]);
                 mma::warpgroup_arrive();
-                mma::BF16MmaN8::fma_k_block(db, dt, acc, kb > 0);
+                #pragma unroll
+                for (int t = 0; t < kRowBlocks; ++t) {
+                    const uint64_t db = mma::make_k_major_sw128_desc(sm.mma_b(s) + (kRowBlocks * mt.wg + t) * 64 * 128);
+                    mma::BF16MmaN8::fma_k_block(db, dt, acc[t], kb > 0);
+                }
                 mma::warpgroup_commit();
                 mma::warpgroup_wait<0>();
-                mma::fence_operands(acc);
+                #pragma unroll
+                for (int t = 0; t < kRowBlocks; ++t) mma::fence_operands(acc[t]);
                 release_stage(stage_iter, mt);
             }
         }
@@ -1271,27 +1304,40 @@ struct Kernel {
     }
 
     // L2 epilogue of a narrow tile: BF16 token rows into the source ranks' combine slots; each
-    // warpgroup stages and copies its own 64 columns (128 bytes) of every token row
-    __device__ void narrow_l2_epilogue(int m, int j, int num_rows, const MathThread& mt, const float (&acc)[4]) {
+    // warpgroup stages and copies its own kRowBlocks x 64 columns of every token row (staging rows
+    // kRowBlocks x 256 + 16 bytes apart: at most 8 token rows, well inside the epilogue tile)
+    template <int kRowBlocks>
+    __device__ void narrow_l2_epilogue(int m, int j, int num_rows, const MathThread& mt, const float (&acc)[kRowBlocks][4]) {
         const NarrowThread nt(mt);
+        constexpr int kRowBytes = kRowBlocks * 256 + 16;
+        static_assert(kNarrowRows * kRowBytes <= BLOCK_M * kMegaMoEEpilogueRowBytes, "staging rows fit the epilogue tile");
         uint8_t* tile = sm.epilogue;
-        const int col = mt.wg * 64;
+        const int col = mt.wg * kRowBlocks * 64;    // this warpgroup's first column of the tile
         #pragma unroll
-        for (int i = 0; i < 4; ++i)
-            *reinterpret_cast<__nv_bfloat16*>(tile + nt.token(i) * kMegaMoEEpilogueRowBytes + (col + nt.row(i)) * 2) = __float2bfloat16_rn(acc[i]);
+        for (int t = 0; t < kRowBlocks; ++t)
+            #pragma unroll
+            for (int i = 0; i < 4; ++i)
+                *reinterpret_cast<__nv_bfloat16*>(tile + nt.token(i) * kRowBytes + (col + t * 64 + nt.row(i)) * 2) = __float2bfloat16_rn(acc[t][i]);
         named_barrier(kBarrierMathBase + mt.wg, 128);
-        constexpr int kChunks = 64 * 2 / 16;
-        if (mt.tid < num_rows * kChunks) {
-            const int t = mt.tid / kChunks, c = col * 2 + (mt.tid % kChunks) * 16;
+        constexpr int kChunks = kRowBlocks * 64 * 2 / 16;
+        const int n_max = lay.num_max_tokens_per_rank, topk = lay.num_topk;
+        for (int c = mt.tid; c < num_rows * kChunks; c += 128) {
+            const int t = c / kChunks, byte = col * 2 + (c % kChunks) * 16;
             const int info = __ldcg(mine<int>(lay.row_info) + static_cast<int64_t>(m) * BLOCK_M + t);
-            if (info >= 0) {
-                const int n_max = lay.num_max_tokens_per_rank, topk = lay.num_topk;
-                const int src = info / (n_max * topk), token = (info % (n_max * topk)) / topk, k = info % topk;
-                auto* dst = peer<uint8_t>(src, lay.combine) + ((static_cast<int64_t>(k) * n_max + token) * lay.hidden + j * 128) * 2 + c;
-                *reinterpret_cast<int4*>(dst) = *reinterpret_cast<const int4*>(tile + t * kMegaMoEEpilogueRowBytes + c);
-            }
+            if (info < 0) continue;
+            const int src = info / (n_max * topk), token = (info % (n_max * topk)) / topk, k = info % topk;
+            auto* dst = peer<uint8_t>(src, lay.combine) + ((static_cast<int64_t>(k) * n_max + token) * lay.hidden + j * kRowBlocks * 128) * 2 + byte;
+            *reinterpret_cast<int4*>(dst) = *reinterpret_cast<const int4*>(tile + t * kRowBytes + byte);
         }
         finish_l2_task(mt);
+    }
+
+    template <int kRowBlocks>
+    __device__ bool narrow_l2_task(int m, int j, int rows, uint32_t& stage_iter, const MathThread& mt) {
+        float acc[kRowBlocks][4];
+        if (not narrow_l2_mainloop<kRowBlocks>(stage_iter, mt, acc)) return false;
+        narrow_l2_epilogue<kRowBlocks>(m, j, rows, mt, acc);
+        return true;
     }
 
     // All of this rank's L2 rows are out: tell every source rank
@@ -1318,7 +1364,7 @@ struct Kernel {
                 float acc[kL1Acc], row_w[2];
                 if (mt.tid == 0) trace(kTraceL1Begin, true);
                 const int le = expert_of_mblock(m), rows = valid_rows(m, le);
-                if (kSplitN and rows <= kNarrowRows) {
+                if (is_narrow(m, le)) {
                     float gate[4], up[4], tok_w[2];
                     if (not narrow_l1_mainloop(m, stage_iter, mt, gate, up, tok_w)) break;
                     narrow_l1_epilogue(m, j, rows, mt, gate, up, tok_w);
@@ -1332,13 +1378,19 @@ struct Kernel {
                 float acc[kL2Acc];
                 if (mt.tid == 0) trace(kTraceL2Begin, true);
                 const int le = expert_of_mblock(m), rows = valid_rows(m, le);
-                if (kSplitN and rows <= kNarrowRows) {
-                    float narrow_acc[4];
-                    if (not narrow_l2_mainloop(stage_iter, mt, narrow_acc)) break;
-                    narrow_l2_epilogue(m, j, rows, mt, narrow_acc);
+                if (is_narrow(m, le)) {
+                    const bool ok = p.l2_block_n == 256 ? narrow_l2_task<2>(m, j, rows, stage_iter, mt)
+                                                        : narrow_l2_task<1>(m, j, rows, stage_iter, mt);
+                    if (not ok) break;
                 } else {
-                    if (not l2_mainloop(stage_iter, mt, acc)) break;
-                    l2_epilogue(m, j, rows, mt, acc);
+                    // a 256-wide task: two 128-column tiles, as the producer streams them
+                    const int num_tiles = p.l2_block_n / kMegaMoEBlockNL2;
+                    bool ok = true;
+                    for (int h = 0; h < num_tiles and ok; ++h) {
+                        ok = l2_mainloop(stage_iter, mt, acc);
+                        if (ok) l2_epilogue(m, j * num_tiles + h, rows, mt, acc, h == num_tiles - 1);
+                    }
+                    if (not ok) break;
                 }
                 if (mt.tid == 0) trace(kTraceL2End);
             } else if (t >= tasks.l2_end()) {
@@ -1399,7 +1451,7 @@ struct Kernel {
         if (not ctrl->late and not ctrl->abort) {
             tasks.num_mblocks = ctrl->num_mblocks;
             tasks.num_l1_nblocks = lay.intermediate_hidden / 128;
-            tasks.num_l2_nblocks = lay.hidden / kMegaMoEBlockNL2;
+            tasks.num_l2_nblocks = lay.hidden / p.l2_block_n;
             tasks.num_combine = ceil_div(p.num_tokens, kCombineTokensPerTask);
             if (threadIdx.x == 0) {
                 control[L::kControlNumMBlocks] = tasks.num_mblocks;
