@@ -203,3 +203,13 @@ def test_l2_task_width():
     for n in (512, 8192):
         assert config('fp8xfp8', num_ranks=1, num_experts=128, num_topk=8, hidden=2048, intermediate_hidden=768,
                       num_tokens=n)['block_n_l2'] == 128
+
+
+def test_l2_task_width_counts_one_ranks_tasks():
+    # The count is per rank: 8 ranks, 128 experts, top-8, H 2048, one token each -> each rank
+    # receives 8 pairs -> at most 8 of its 16 experts -> 8 x 16 = 128 tasks of 128 on 132 SMs
+    c = config('fp8xfp8', num_ranks=8, num_experts=128, num_topk=8, hidden=2048, intermediate_hidden=768, num_tokens=1)
+    assert c['block_n_l2'] == 128
+    # 4 tokens each, 256 experts, H 4096: 32 pairs per rank over its 32 experts -> 32 x 32 tasks
+    c = config('fp8xfp8', num_ranks=8, num_experts=256, num_topk=8, hidden=4096, num_tokens=4)
+    assert c['block_n_l2'] == 256

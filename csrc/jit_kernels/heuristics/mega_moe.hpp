@@ -159,10 +159,12 @@ inline MegaMoEConfig get_mega_moe_config(MmaType mma_type, int num_ranks, int nu
     // L2 task width. Decode (BLOCK_M = 64) whose experts hold a few tokens each (narrow tiles) and
     // whose 128-wide L2 tasks would outnumber the SMs: 256-wide tasks, so the L2 phase is one wave
     // (v4-flash at one token: 192 tasks of 128 on 132 SMs leave a second round to 60 CTAs) and each
-    // task's fixed costs are paid half as often. Experts touched: at most E, at most the routed pairs.
-    const int64_t experts_touched = min_of<int64_t>(num_experts, max_of<int64_t>(1, num_routed_pairs));
+    // task's fixed costs are paid half as often. Per rank: its local experts touched (at most E / R,
+    // at most the pairs it receives, n * topk on average) against its own SMs.
+    const int64_t pairs_per_rank = max_of<int64_t>(1, ceil_div<int64_t>(num_routed_pairs, num_ranks));
+    const int64_t experts_touched = min_of<int64_t>(num_local_experts, pairs_per_rank);
     const int64_t l2_tasks_128 = experts_touched * expected_mblocks * (hidden / kMegaMoEBlockNL2);
-    const bool few_tokens_per_expert = num_routed_pairs <= 8 * static_cast<int64_t>(experts_touched);
+    const bool few_tokens_per_expert = pairs_per_rank <= 8 * experts_touched;
     if (c.block_m == 64 and few_tokens_per_expert and l2_tasks_128 > num_sms and hidden % 256 == 0)
         c.block_n_l2 = 2 * kMegaMoEBlockNL2;
     return c;

@@ -8,7 +8,7 @@
 // Scheduling: a dynamic task queue per rank (an atomic counter in the workspace). Task indices are
 // ordered so that every task depends only on tasks with smaller indices of its own rank or on
 // other ranks' progress:
-//     [pull: M] [L1: M x I/128] [L2: M x H/128] [combine: ceil(n / kCombineTokens)]
+//     [pull: M] [L1: M x I/128] [L2: M x H/l2_block_n] [combine: ceil(n / kCombineTokens)]
 // A CTA claims a task only when it is ready to run it, so a CTA that waits (on an M-block's
 // arrival counter, on L1 completion, on peers) waits for work that a running CTA already holds:
 // the kernel completes even when only some of its CTAs are resident (other streams on the GPU).
@@ -125,7 +125,6 @@ struct Kernel {
     static constexpr int BLOCK_K = mega_moe_block_k(kMmaType);      // one 128-byte swizzle row
     static constexpr int kABytes = BLOCK_M * 128;
     static constexpr int kBBytesL1 = kMegaMoEBlockNL1 * 128;
-    static constexpr int kBBytesL2 = kMegaMoEBlockNL2 * 128;
     static constexpr int kStageBytes = mega_moe_stage_bytes(kMmaType, BLOCK_M);
     static constexpr int kStageSfBytes = mega_moe_stage_sf_bytes(kMmaType, BLOCK_M);
     static constexpr int kStageExtraBytes = mega_moe_stage_extra_bytes(kMmaType, BLOCK_M);
@@ -185,7 +184,8 @@ struct Kernel {
         __device__ uint8_t* mma_b(int s) const { return kFP4 ? expanded_b : stage_b(s); }
         __device__ float* stage_sf(int s) const { return reinterpret_cast<float*>(extras + s * kStageExtraBytes); }
         __device__ uint8_t* stage_deltas(int s) const { return extras + s * kStageExtraBytes + kStageSfBytes; }
-        // The K-block's FP32 weight block scales of the B tile: L1 [gate, up], L2 [block]
+        // The K-block's FP32 weight block scales of the B tile, one per 128-row block: L1 [gate, up],
+        // L2 [block] or, 256 wide, [block 2j, block 2j + 1]
         __device__ float* stage_wsf(int s) const {
             return reinterpret_cast<float*>(extras + s * kStageExtraBytes + kStageSfBytes + kStageDeltaBytes);
         }
