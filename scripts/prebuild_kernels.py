@@ -1,4 +1,5 @@
-"""Compile every Mega MoE kernel variant the heuristics can pick on an H100/H200, for sm_90a.
+"""Compile every Mega MoE kernel variant the heuristics can pick on an H100/H200, for sm_90a
+(per format: BLOCK_M 64 and 128, fast and exact SwiGLU, and at BLOCK_M 64 both L2 task widths).
 
 Run on the CPU machine before a device call and carry DG_JIT_CACHE_DIR (default ./.jit_cache):
 the cache key holds no machine-specific path, so the device finds these cubins. Also compiles the
@@ -22,15 +23,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def variants(formats=('fp8xfp8', 'bf16xbf16')):
-    seen = set()
+    """(mma_type, block_m, num_stages, fast_math, block_n_l2) of every kernel: per format, BLOCK_M 64
+    (decode) and 128 (prefill) with their stage counts, fast and exact SwiGLU, and at BLOCK_M 64 both
+    L2 task widths (the heuristic picks 128 or 256 by shape and n; DG_MEGA_MOE_L2_BLOCK_N forces
+    either). The 128-wide kernels come first."""
+    keys = []
     for fmt in formats:
         for n in (1, 1 << 16):   # decode picks BLOCK_M 64, prefill 128
             c = _C.get_mega_moe_config(mma_type_to_int(fmt), 1, 256, 8, 7168, 2048, n, 132, H200_SMEM)
             for fast in (True, False):
-                key = (mma_type_to_int(fmt), c['block_m'], c['num_stages'], fast)
-                if key not in seen:
-                    seen.add(key)
-                    yield key
+                keys.append((mma_type_to_int(fmt), c['block_m'], c['num_stages'], fast, 128))
+    keys += [(t, m, s, fast, 256) for t, m, s, fast, _ in keys if m == 64]
+    return list(dict.fromkeys(keys))
 
 
 if __name__ == '__main__':

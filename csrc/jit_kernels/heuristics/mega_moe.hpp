@@ -41,7 +41,7 @@ struct MegaMoEConfig {
     int block_m;               // 64 or 128 pool rows per M-block
     int num_math_warpgroups;   // 2: 64 rows each (block_m 128) or half the columns each (block_m 64)
     int block_n_l1;            // 256: 128 gate + 128 up columns
-    int block_n_l2;            // 128, or 256: decode calls whose 128-wide L2 tasks would outnumber the SMs
+    int block_n_l2;            // L2 task width, a kernel variant: 128, or 256 (decode, 128-wide tasks outnumber the SMs)
     int block_k;               // 128 (FP8) or 64 (BF16): one 128-byte swizzle row
     int num_stages;            // TMA -> WGMMA pipeline depth
     int num_sms;               // CTAs of the persistent grid
@@ -156,7 +156,7 @@ inline MegaMoEConfig get_mega_moe_config(MmaType mma_type, int num_ranks, int nu
     const int64_t l1_tasks_per_expert = expected_mblocks * (2 * static_cast<int64_t>(intermediate_hidden) / c.block_n_l1);
     c.num_experts_per_wave = static_cast<int>(min_of<int64_t>(num_local_experts, ceil_div<int64_t>(num_sms, l1_tasks_per_expert)));
 
-    // L2 task width. Decode (BLOCK_M = 64) whose experts hold a few tokens each (narrow tiles) and
+    // L2 task width (a kernel variant: kL2BlockN). Decode (BLOCK_M = 64) whose experts hold a few tokens each (narrow tiles) and
     // whose 128-wide L2 tasks would outnumber the SMs: 256-wide tasks, so the L2 phase is one wave
     // (v4-flash at one token: 192 tasks of 128 on 132 SMs leave a second round to 60 CTAs) and each
     // task's fixed costs are paid half as often. Per rank: its local experts touched (at most E / R,

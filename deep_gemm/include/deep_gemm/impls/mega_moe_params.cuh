@@ -29,7 +29,7 @@ DG_HOST_DEVICE constexpr uint64_t make_status(StatusCode code, Phase phase, uint
 // ---------------------------------------------------------------------------------------------
 // Kernel shape constants shared by host and device
 constexpr int kMegaMoEBlockNL1 = 256;        // 128 gate + 128 up rows (interleaved by the transform)
-constexpr int kMegaMoEBlockNL2 = 128;       // L2 tile; an L2 task is one or two (heuristics: block_n_l2)
+constexpr int kMegaMoEBlockNL2 = 128;        // L2 tile; an L2 task is one tile or two (kernel variant kL2BlockN)
 constexpr int kMegaMoEMaxLocalExperts = 512; // scheduler tables in shared memory
 constexpr int kMegaMoETaskRing = 4;          // scheduler -> roles task ring depth
 // Two math warpgroups at every BLOCK_M: 128 rows -> 64 rows each; 64 rows -> split columns
@@ -37,6 +37,12 @@ constexpr int kMegaMoENumMathWarpgroups = 2;
 constexpr int kMegaMoEEpilogueRowBytes = kMegaMoEBlockNL2 * 2 + 16;  // BF16 row + 16 B pad (bank spread)
 
 DG_HOST_DEVICE constexpr int mega_moe_block_k(MmaType t) { return 128 / activation_bytes(t); }
+// L2 task width, a kernel variant (template argument kL2BlockN, heuristics: block_n_l2): one 128-wide
+// tile, or 256 wide for decode tiles (BLOCK_M = 64: a narrow M-block's task is one 256-wide tile, a
+// wide one's two 128-wide tiles)
+DG_HOST_DEVICE constexpr bool mega_moe_l2_block_n_ok(int block_m, int block_n_l2) {
+    return block_n_l2 == kMegaMoEBlockNL2 or (block_n_l2 == 2 * kMegaMoEBlockNL2 and block_m == 64);
+}
 // FP8 x FP4: a stage holds the packed E2M1 B tile (256 rows x 64 bytes per 128-wide K-block); the
 // math warpgroups expand it into one E4M3 tile outside the stages (the wgmma of a K-block completes
 // before the next K-block is expanded), so a stage is 16 KB smaller than with FP8 weights
@@ -109,7 +115,6 @@ struct MegaMoEParams {
     uint64_t* host_status;              // pinned, host-mapped mirror of the status word, or nullptr
     uint64_t* trace;                    // [grid][kTraceSlots] %globaltimer stamps (scripts/trace.py), or nullptr
     int num_prefetch_stages;            // weight stages a task streams before its inputs are ready
-    int l2_block_n;                     // H columns of an L2 task: 128, or 256 (BLOCK_M = 64 only)
     // Every rank's buffer is on this GPU (EP1, virtual ranks): the cross-rank signals (counts,
     // combine rows and flags) need gpu scope only; else sys scope (peers over NVLink)
     int peers_on_this_gpu;
