@@ -6,8 +6,9 @@ nvcc reports the same version: the key hashes `nvcc --version`; a miss there com
 device, a few seconds per variant).
 
     DG_JIT_CACHE_DIR=.jit_cache python scripts/prebuild_kernels.py [FORMAT ...]
-        every variant the heuristics can pick on an H100/H200 (both BLOCK_M, fast and exact math),
-        the input-staging kernels and the helper kernels of tests/test_faults_gpu.py
+        every variant the heuristics can pick on an H100/H200 (both BLOCK_M, fast and exact math,
+        and at BLOCK_M 64 both L2 task widths), the input-staging kernels and the helper kernels of
+        tests/test_faults_gpu.py
     python scripts/prebuild_kernels.py --ep 2 fp8xfp8 fp8xfp4 bf16xbf16
         exactly what scripts/device_ep.sh runs on 2 GPUs: the variants the launcher picks with 2
         ranks for every token count of tests/test_multi_gpu.py (EP check shapes, n = 0..n_max) and
@@ -37,20 +38,25 @@ DEFAULT_FORMATS = ('fp8xfp8', 'bf16xbf16')
 
 
 def _key(fmt, n, num_ranks, experts, topk, hidden, inter, fast):
-    c = _C.get_mega_moe_config(mma_type_to_int(fmt), num_ranks, experts, topk, hidden, inter, n, H200_SMS, H200_SMEM)
-    return (mma_type_to_int(fmt), c['block_m'], c['num_stages'], fast)
+    """(mma_type, block_m, num_stages, fast_math, block_n_l2) of the kernel the launcher picks."""
+    v = _C.get_mega_moe_kernel_variant(mma_type_to_int(fmt), num_ranks, experts, topk, hidden, inter, n, H200_SMS,
+                                       H200_SMEM, fast)
+    return (v['mma_type'], v['block_m'], v['num_stages'], v['fast_math'], v['block_n_l2'])
 
 
 def variants(formats=DEFAULT_FORMATS):
-    """Every (mma_type, block_m, num_stages, fast_math) the heuristics can pick on an H200."""
-    seen = set()
+    """(mma_type, block_m, num_stages, fast_math, block_n_l2) of every kernel: per format, BLOCK_M 64
+    (decode) and 128 (prefill) with their stage counts, fast and exact SwiGLU, and at BLOCK_M 64 both
+    L2 task widths (the heuristic picks 128 or 256 by shape and n; DG_MEGA_MOE_L2_BLOCK_N forces
+    either). The 128-wide kernels come first."""
+    keys = []
     for fmt in formats:
         for n in (1, 1 << 16):   # decode picks BLOCK_M 64, prefill 128
             for fast in (True, False):
-                key = _key(fmt, n, 1, 256, 8, 7168, 2048, fast)
-                if key not in seen:
-                    seen.add(key)
-                    yield key
+                t, m, s, f, _ = _key(fmt, n, 1, 256, 8, 7168, 2048, fast)
+                keys.append((t, m, s, f, 128))
+    keys += [(t, m, s, fast, 256) for t, m, s, fast, _ in keys if m == 64]
+    return list(dict.fromkeys(keys))
 
 
 def ep_cases(num_ranks):

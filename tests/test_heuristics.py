@@ -1,4 +1,5 @@
 """Config heuristics of the Mega MoE kernel (`csrc/jit_kernels/heuristics/mega_moe.hpp`)."""
+import json
 import os
 import subprocess
 import sys
@@ -187,3 +188,97 @@ def test_smem_breakdown_adds_up(mma_type, num_tokens):
     per_stage = c['smem_a_per_stage'] + c['smem_b_per_stage']
     assert c['num_stages'] * per_stage + c['smem_epilogue'] + c['smem_barriers'] == c['smem_bytes']
     assert c['smem_a_per_stage'] >= c['block_m'] * 128 and c['smem_barriers'] > 0
+
+
+def test_l2_task_width():
+    # 256-wide L2 tasks only for decode calls with a few tokens per expert whose 128-wide L2 tasks
+    # would outnumber the SMs (v4-flash at one token: 6 experts x 32 = 192 > 132)
+    assert config('fp8xfp8', num_ranks=1, num_experts=256, num_topk=6, hidden=4096, num_tokens=1)['block_n_l2'] == 256
+    # mid at one token: 8 experts x 16 = 128 tasks fit 132 SMs
+    assert config('fp8xfp8', num_ranks=1, num_experts=128, num_topk=8, hidden=2048, intermediate_hidden=768,
+                  num_tokens=1)['block_n_l2'] == 128
+    # ... but not on 64 SMs
+    assert config('fp8xfp8', num_ranks=1, num_experts=128, num_topk=8, hidden=2048, intermediate_hidden=768,
+                  num_tokens=1, num_sms=64)['block_n_l2'] == 256
+    # prefill (BLOCK_M 128) and decode with many tokens per expert keep 128
+    for n in (512, 8192):
+        assert config('fp8xfp8', num_ranks=1, num_experts=128, num_topk=8, hidden=2048, intermediate_hidden=768,
+                      num_tokens=n)['block_n_l2'] == 128
+
+
+def test_l2_task_width_counts_one_ranks_tasks():
+    # The count is per rank: 8 ranks, 128 experts, top-8, H 2048, one token each -> each rank
+    # receives 8 pairs -> at most 8 of its 16 experts -> 8 x 16 = 128 tasks of 128 on 132 SMs
+    c = config('fp8xfp8', num_ranks=8, num_experts=128, num_topk=8, hidden=2048, intermediate_hidden=768, num_tokens=1)
+    assert c['block_n_l2'] == 128
+    # 4 tokens each, 256 experts, H 4096: 32 pairs per rank over its 32 experts -> 32 x 32 tasks
+    c = config('fp8xfp8', num_ranks=8, num_experts=256, num_topk=8, hidden=4096, num_tokens=4)
+    assert c['block_n_l2'] == 256
+
+
+# The kernel variant a call launches (the L2 width is a template argument: kernels of either width
+# exist side by side), with DG_MEGA_MOE_L2_BLOCK_N unset or set, in a fresh process (the launcher
+# reads the setting once per process)
+_VARIANT_SCRIPT = """
+import json, sys
+from deep_gemm import _C
+out = []
+for args in json.loads(sys.argv[1]):
+    try:
+        out.append(_C.get_mega_moe_kernel_variant(*args))
+    except ValueError as e:
+        out.append(str(e))
+print(json.dumps(out))
+"""
+
+# (mma_type, num_ranks, num_experts, num_topk, hidden, intermediate_hidden, num_tokens, num_sms)
+_V4_FLASH_N1 = (MMA_TYPES['fp8xfp8'], 1, 256, 6, 4096, 2048, 1, H200_SMS)     # 6 x 32 = 192 L2 tasks of 128
+_MID_N1 = (MMA_TYPES['fp8xfp8'], 1, 128, 8, 2048, 768, 1, H200_SMS)          # 8 x 16 = 128 fit 132 SMs
+_MID_N4096 = (MMA_TYPES['fp8xfp8'], 1, 128, 8, 2048, 768, 4096, H200_SMS)    # prefill: BLOCK_M 128
+_ODD_H_N1 = (MMA_TYPES['fp8xfp8'], 1, 256, 6, 1152, 2048, 1, H200_SMS)       # H = 9 x 128: no 256-wide task
+_V4_FP4_N1 = (MMA_TYPES['fp8xfp4'], 1, 256, 6, 4096, 2048, 1, H200_SMS)
+_V4_BF16_N1 = (MMA_TYPES['bf16xbf16'], 1, 256, 6, 4096, 2048, 1, H200_SMS)
+_CASES = [_V4_FLASH_N1, _MID_N1, _MID_N4096, _ODD_H_N1, _V4_FP4_N1, _V4_BF16_N1]
+
+
+def _launched_variants(override, cases=_CASES):
+    env = dict(os.environ)
+    env.pop('DG_MEGA_MOE_L2_BLOCK_N', None)
+    if override is not None:
+        env['DG_MEGA_MOE_L2_BLOCK_N'] = override
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env['PYTHONPATH'] = root + os.pathsep + env.get('PYTHONPATH', '')
+    out = subprocess.run([sys.executable, '-c', _VARIANT_SCRIPT, json.dumps(cases)], env=env, capture_output=True,
+                         text=True, check=True, cwd=root).stdout
+    return json.loads(out)
+
+
+@pytest.mark.parametrize('override, widths', [
+    (None, [256, 128, 128, 128, 256, 256]),    # the heuristic's choice
+    ('128', [128, 128, 128, 128, 128, 128]),
+    ('256', [256, 256, 128, 128, 256, 256]),   # not with BLOCK_M 128, nor with H % 256 != 0
+])
+def test_launched_kernel_has_the_l2_width(override, widths):
+    for args, v, width in zip(_CASES, _launched_variants(override), widths):
+        c = config(list(MMA_TYPES)[args[0]], *args[1:])
+        assert (v['block_m'], v['num_stages'], v['block_n_l2']) == (c['block_m'], c['num_stages'], width), (args, v)
+        assert v['mma_type'] == args[0] and v['fast_math'] is True
+        # the kernel of that width: its cache name and its template arguments
+        assert f"_m{v['block_m']}_n{width}_s{v['num_stages']}_fast" in v['name']
+        source = _C.get_mega_moe_kernel_source(v['mma_type'], v['block_m'], v['num_stages'], True, v['block_n_l2'])
+        assert source.rstrip().endswith(f"{v['block_m']}, {v['num_stages']}, true, {width})"), source
+
+
+def test_launcher_rejects_a_bad_l2_width_setting():
+    out = _launched_variants('192', [_MID_N1])
+    assert 'DG_MEGA_MOE_L2_BLOCK_N' in out[0] and "'192'" in out[0]
+
+
+def test_256_wide_l2_needs_block_m_64():
+    with pytest.raises(ValueError, match='block_n_l2'):
+        _C.get_mega_moe_kernel_source(MMA_TYPES['fp8xfp8'], 128, 3, True, 256)
+    with pytest.raises(ValueError, match='block_n_l2'):
+        _C.get_mega_moe_kernel_source(MMA_TYPES['fp8xfp8'], 64, 5, True, 192)
+    # the default is the 128-wide kernel
+    assert _C.get_mega_moe_kernel_source(MMA_TYPES['fp8xfp8'], 64, 5) == \
+        _C.get_mega_moe_kernel_source(MMA_TYPES['fp8xfp8'], 64, 5, True, 128)

@@ -2,12 +2,15 @@
 compiles every kernel variant it ships), on a machine without a GPU.
 
 Variants: 3 formats x BLOCK_M {64, 128} (stage counts from the heuristics for an H100/H200) x
-fast/exact SwiGLU, plus the two input-staging kernels. The SASS, where cuobjdump is available,
-must hold the tensor-core instructions the format needs (QGMMA for FP8 operands, HGMMA for BF16)
-and TMA loads (UTMALDG).
+fast/exact SwiGLU, with 128-wide L2 tasks and, at BLOCK_M 64, also 256-wide ones (a kernel of its
+own), plus the two input-staging kernels. The SASS, where cuobjdump is available, must hold the
+tensor-core instructions the format needs (QGMMA for FP8 operands, HGMMA for BF16) and TMA loads
+(UTMALDG). scripts/prebuild_kernels.py compiles the same list.
 """
+import json
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -17,24 +20,28 @@ from deep_gemm.mega.buffer import mma_type_to_int
 from conftest import cuobjdump_path
 
 H200_SMEM = 232448
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FORMATS = ('fp8xfp8', 'fp8xfp4', 'bf16xbf16')
 
 
 def _variants():
     seen = []
-    for fmt in ('fp8xfp8', 'fp8xfp4', 'bf16xbf16'):
+    for fmt in FORMATS:
         for n in (1, 1 << 16):       # decode picks BLOCK_M 64, prefill 128
             c = _C.get_mega_moe_config(mma_type_to_int(fmt), 1, 256, 8, 7168, 2048, n, 132, H200_SMEM)
             for fast in (True, False):
-                v = (fmt, c['block_m'], c['num_stages'], fast)
-                if v not in seen:
-                    seen.append(v)
+                for block_n_l2 in ((128, 256) if c['block_m'] == 64 else (128,)):
+                    v = (fmt, c['block_m'], c['num_stages'], fast, block_n_l2)
+                    if v not in seen:
+                        seen.append(v)
     return seen
 
 
-@pytest.mark.parametrize('variant', _variants(), ids=lambda v: f'{v[0]}-m{v[1]}-s{v[2]}-{"fast" if v[3] else "exact"}')
+@pytest.mark.parametrize('variant', _variants(),
+                         ids=lambda v: f'{v[0]}-m{v[1]}-n{v[4]}-s{v[2]}-{"fast" if v[3] else "exact"}')
 def test_mega_moe_variant_compiles_for_sm90a(variant, requires_nvcc):
-    fmt, block_m, stages, fast = variant
-    kernel_dir = _C.compile_mega_moe(mma_type_to_int(fmt), block_m, stages, fast)
+    fmt, block_m, stages, fast, block_n_l2 = variant
+    kernel_dir = _C.compile_mega_moe(mma_type_to_int(fmt), block_m, stages, fast, block_n_l2)
     cubin = os.path.join(kernel_dir, 'kernel.cubin')
     with open(cubin, 'rb') as f:
         assert f.read(4) == b'\x7fELF'
@@ -53,3 +60,31 @@ def test_stage_kernel_compiles(fp8, requires_nvcc):
     kernel_dir = _C.compile_mega_moe_stage(fp8)
     with open(os.path.join(kernel_dir, 'kernel.cubin'), 'rb') as f:
         assert f.read(4) == b'\x7fELF'
+
+
+def test_prebuild_covers_every_kernel_the_launcher_picks():
+    # scripts/prebuild_kernels.py's list (in a child: the script sets DG_JIT_CACHE_DIR on import)
+    # is this file's, and every variant the launcher picks on an H200 (any n, a few model shapes,
+    # either L2 width of DG_MEGA_MOE_L2_BLOCK_N) is in it
+    script = ('import json, sys; sys.path.insert(0, "scripts"); import prebuild_kernels as p; '
+              f'print(json.dumps(p.variants({FORMATS!r})))')
+    out = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, check=True, cwd=ROOT,
+                         env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get('PYTHONPATH', '')))
+    prebuilt = {tuple(k) for k in json.loads(out.stdout)}
+    ours = {(mma_type_to_int(f), m, s, fast, n) for f, m, s, fast, n in _variants()}
+    assert prebuilt == ours
+    picked, widths = set(), set()
+    shapes = [(256, 6, 4096, 2048), (128, 8, 2048, 768), (256, 8, 7168, 2048), (64, 4, 1024, 512)]
+    for fmt in FORMATS:
+        for num_experts, topk, hidden, inter in shapes:
+            for num_ranks in (1, 8):
+                for n in [0] + [1 << i for i in range(17)]:
+                    v = _C.get_mega_moe_kernel_variant(mma_type_to_int(fmt), num_ranks, num_experts, topk, hidden,
+                                                       inter, n, 132, H200_SMEM, True)
+                    widths.add(_C.get_mega_moe_config(mma_type_to_int(fmt), num_ranks, num_experts, topk, hidden, inter, n,
+                                                      132, H200_SMEM)['block_n_l2'])   # the heuristic's
+                    for width in (128, 256) if v['block_m'] == 64 else (128,):   # heuristic or override
+                        for fast in (True, False):
+                            picked.add((v['mma_type'], v['block_m'], v['num_stages'], fast, width))
+    assert picked <= prebuilt, picked - prebuilt
+    assert widths == {128, 256}, 'the sweep should meet both widths'

@@ -42,16 +42,16 @@ def test_time_fused_rejects_a_malformed_case():
 
 def test_prebuild_lists_the_ep_kernels():
     """`prebuild_kernels.py --ep 2` names what scripts/device_ep.sh runs: both BLOCK_M of every format,
-    fast math (the API default), with the first case that needs each."""
+    fast math (the API default), the L2 task widths the launcher picks, with the first case that needs each."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get('PYTHONPATH', ''))
     run = lambda *args: subprocess.run([sys.executable, os.path.join(SCRIPTS, 'prebuild_kernels.py'), '--list', *args],
                                        capture_output=True, text=True, env=env, timeout=120)
     result = run('--ep', '2', 'fp8xfp8', 'fp8xfp4', 'bf16xbf16')
     assert result.returncode == 0, result.stderr
     keys = [eval(line) for line in result.stdout.splitlines() if line.startswith('(')]
-    assert sorted((k[0], k[1]) for k in keys) == [(f, m) for f in (0, 1, 2) for m in (64, 128)]
-    assert all(k[3] is True for k in keys)
+    assert sorted({(k[0], k[1]) for k in keys}) == [(f, m) for f in (0, 1, 2) for m in (64, 128)]
+    assert all(k[3] is True for k in keys) and all(k[4] == 128 or (k[4], k[1]) == (256, 64) for k in keys)
     assert 'first needed by fp8xfp8 check small n=0' in result.stdout
     full = run('fp8xfp8', 'fp8xfp4', 'bf16xbf16')
-    assert full.returncode == 0 and len(full.stdout.splitlines()) == 12    # fast and exact as well
+    assert full.returncode == 0 and len(full.stdout.splitlines()) == 18    # fast and exact, 256-wide L2 at BLOCK_M 64
     assert run('--ep', '1').returncode == 2 and run('fp16').returncode == 2

@@ -66,20 +66,47 @@ inline void register_apis(py::module_& m) {
           py::arg("fp8"), "Compile (or fetch from the cache) the staging kernel; works without a GPU.");
 
     m.def("compile_mega_moe",
-          [](int mma_type, int block_m, int num_stages, bool fast_math) {
-              return jit_kernels::SM90MegaMoEVariant{static_cast<MmaType>(mma_type), block_m, num_stages, fast_math}
+          [](int mma_type, int block_m, int num_stages, bool fast_math, int block_n_l2) {
+              return jit_kernels::SM90MegaMoEVariant{static_cast<MmaType>(mma_type), block_m, num_stages, fast_math, block_n_l2}
                   .compile().string();
           },
           py::arg("mma_type"), py::arg("block_m"), py::arg("num_stages"), py::arg("fast_math") = true,
+          py::arg("block_n_l2") = kMegaMoEBlockNL2,
           "Compile (or fetch from DG_JIT_CACHE_DIR) one Mega MoE kernel variant for sm_90a; works without a GPU. "
-          "Returns the kernel's cache directory.");
+          "block_n_l2: the L2 task width, 128 or (block_m 64) 256. Returns the kernel's cache directory.");
 
     m.def("get_mega_moe_kernel_source",
-          [](int mma_type, int block_m, int num_stages, bool fast_math) {
-              return jit_kernels::SM90MegaMoEVariant{static_cast<MmaType>(mma_type), block_m, num_stages, fast_math}.source();
+          [](int mma_type, int block_m, int num_stages, bool fast_math, int block_n_l2) {
+              return jit_kernels::SM90MegaMoEVariant{static_cast<MmaType>(mma_type), block_m, num_stages, fast_math, block_n_l2}
+                  .source();
           },
           py::arg("mma_type"), py::arg("block_m"), py::arg("num_stages"), py::arg("fast_math") = true,
+          py::arg("block_n_l2") = kMegaMoEBlockNL2,
           "The generated source of one Mega MoE kernel variant (for inspection).");
+
+    m.def("get_mega_moe_kernel_variant",
+          [](int mma_type, int num_ranks, int num_experts, int num_topk, int hidden, int intermediate_hidden,
+             int num_tokens, int num_sms, int max_smem_bytes, bool fast_math) {
+              if (mma_type < 0 or mma_type > 2)
+                  throw std::invalid_argument("mma_type: expected 0 (fp8xfp4), 1 (fp8xfp8) or 2 (bf16xbf16)");
+              const auto [config, v] = jit_kernels::select_sm90_mega_moe_variant(
+                  static_cast<MmaType>(mma_type), num_ranks, num_experts, num_topk, hidden, intermediate_hidden,
+                  num_tokens, num_sms, max_smem_bytes, fast_math);
+              py::dict d;
+              d["name"] = v.name();
+              d["mma_type"] = static_cast<int>(v.mma_type);
+              d["block_m"] = v.block_m;
+              d["num_stages"] = v.num_stages;
+              d["fast_math"] = v.fast_math;
+              d["block_n_l2"] = v.block_n_l2;
+              return d;
+          },
+          py::arg("mma_type"), py::arg("num_ranks"), py::arg("num_experts"), py::arg("num_topk"), py::arg("hidden"),
+          py::arg("intermediate_hidden"), py::arg("num_tokens"), py::arg("num_sms"),
+          py::arg("max_smem_bytes") = mega_moe_tiles::kSM90MaxSmemBytes, py::arg("fast_math") = true,
+          "The kernel variant launch_mega_moe would launch for this shape and token count (the heuristic's\n"
+          "config with DG_MEGA_MOE_L2_BLOCK_N applied): dict of name, mma_type, block_m, num_stages,\n"
+          "fast_math, block_n_l2. Works without a GPU.");
 }
 
 }  // namespace deep_gemm::apis::mega_moe

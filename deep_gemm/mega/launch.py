@@ -1,5 +1,8 @@
 """Host side of one Mega MoE call: addresses, stream, SM count, status mirror -> `_C.launch_mega_moe`.
 
+The kernel variant (format, BLOCK_M, stages, fast/exact SwiGLU, L2 task width 128 or 256) is chosen
+in C++ from the heuristics and DG_MEGA_MOE_L2_BLOCK_N; `_C.get_mega_moe_kernel_variant` shows it.
+
 Called by `deep_gemm.mega.api` after validation; nothing here allocates device memory or
 synchronizes, so calls are CUDA-graph capturable (the pinned status mirror is made on first use,
 outside any capture that follows a warm-up call).
@@ -26,7 +29,8 @@ def _max_smem(device: torch.device) -> int:
 
 def launch_mega_moe(kind: str, y: torch.Tensor, l1, l2, buf, stats: Optional[torch.Tensor],
                     activation_clamp: Optional[float], fast_math: bool) -> None:
-    """Launch one rank's kernel on the current stream (see `deep_gemm.fp8_mega_moe`)."""
+    """Launch one rank's kernel on the current stream (see `deep_gemm.fp8_mega_moe`); the C++ launcher
+    picks the kernel variant (JIT-compiled on first use, or found in DG_JIT_CACHE_DIR)."""
     # A previous call on this buffer that failed is reported now, without a sync (DESIGN.md §6)
     status.raise_if_failed(buf)
     mirror = status.host_status(buf)

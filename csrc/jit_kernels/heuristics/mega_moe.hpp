@@ -41,7 +41,7 @@ struct MegaMoEConfig {
     int block_m;               // 64 or 128 pool rows per M-block
     int num_math_warpgroups;   // 2: 64 rows each (block_m 128) or half the columns each (block_m 64)
     int block_n_l1;            // 256: 128 gate + 128 up columns
-    int block_n_l2;            // 128
+    int block_n_l2;            // L2 task width, a kernel variant: 128, or 256 (decode, 128-wide tasks outnumber the SMs)
     int block_k;               // 128 (FP8) or 64 (BF16): one 128-byte swizzle row
     int num_stages;            // TMA -> WGMMA pipeline depth
     int num_sms;               // CTAs of the persistent grid
@@ -119,7 +119,7 @@ inline MegaMoEConfig get_mega_moe_config(MmaType mma_type, int num_ranks, int nu
     c.num_math_warpgroups = kMegaMoENumMathWarpgroups;   // block_m 64: the two split the columns
     c.num_threads = kNumWarpgroupThreads * (1 + c.num_math_warpgroups);  // warpgroup 0: TMA + dispatch/combine
     c.block_n_l1 = kMegaMoEBlockNL1;
-    c.block_n_l2 = kMegaMoEBlockNL2;
+    c.block_n_l2 = kMegaMoEBlockNL2;   // decided below, once the expected experts are known
     c.block_k = mega_moe_block_k(mma_type);
 
     // Shared memory, from the kernel's own budget (deep_gemm/impls/mega_moe_params.cuh). Per stage:
@@ -155,6 +155,18 @@ inline MegaMoEConfig get_mega_moe_config(MmaType mma_type, int num_ranks, int nu
     const int64_t expected_mblocks = max_of<int64_t>(1, ceil_div<int64_t>(num_routed_pairs, static_cast<int64_t>(c.block_m) * num_experts));
     const int64_t l1_tasks_per_expert = expected_mblocks * (2 * static_cast<int64_t>(intermediate_hidden) / c.block_n_l1);
     c.num_experts_per_wave = static_cast<int>(min_of<int64_t>(num_local_experts, ceil_div<int64_t>(num_sms, l1_tasks_per_expert)));
+
+    // L2 task width (a kernel variant: kL2BlockN). Decode (BLOCK_M = 64) whose experts hold a few tokens each (narrow tiles) and
+    // whose 128-wide L2 tasks would outnumber the SMs: 256-wide tasks, so the L2 phase is one wave
+    // (v4-flash at one token: 192 tasks of 128 on 132 SMs leave a second round to 60 CTAs) and each
+    // task's fixed costs are paid half as often. Per rank: its local experts touched (at most E / R,
+    // at most the pairs it receives, n * topk on average) against its own SMs.
+    const int64_t pairs_per_rank = max_of<int64_t>(1, ceil_div<int64_t>(num_routed_pairs, num_ranks));
+    const int64_t experts_touched = min_of<int64_t>(num_local_experts, pairs_per_rank);
+    const int64_t l2_tasks_128 = experts_touched * expected_mblocks * (hidden / kMegaMoEBlockNL2);
+    const bool few_tokens_per_expert = pairs_per_rank <= 8 * experts_touched;
+    if (c.block_m == 64 and few_tokens_per_expert and l2_tasks_128 > num_sms and hidden % 256 == 0)
+        c.block_n_l2 = 2 * kMegaMoEBlockNL2;
     return c;
 }
 

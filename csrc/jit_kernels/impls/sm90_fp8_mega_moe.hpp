@@ -2,7 +2,7 @@
 
 // Runtime of `deep_gemm/include/deep_gemm/impls/sm90_fp8_mega_moe.cuh`: code generation (the
 // config becomes template arguments), tensor maps, launch. Shapes stay run-time values, so a
-// handful of variants (format x BLOCK_M x stages x fast math) cover every model.
+// handful of variants (format x BLOCK_M x stages x fast math x L2 task width) cover every model.
 
 #include <cmath>
 #include <map>
@@ -10,6 +10,7 @@
 #include <tuple>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <deep_gemm/impls/mega_moe_params.cuh>
@@ -30,24 +31,34 @@ inline const char* mma_type_cpp_name(MmaType t) {
     }
 }
 
+// One kernel: the kernel's template parameters, in their order (Kernel<kMmaType, BLOCK_M,
+// kNumStages, kFastMath, kL2BlockN>)
 struct SM90MegaMoEVariant {
     MmaType mma_type;
     int block_m, num_stages;
     bool fast_math;
+    int block_n_l2;     // L2 task width: 128, or 256 with block_m 64 (mega_moe_l2_block_n_ok)
+
+    void check() const {
+        if (not mega_moe_l2_block_n_ok(block_m, block_n_l2))
+            jit::raise_invalid_argument("block_n_l2: expected 128, or 256 with block_m = 64; got ", block_n_l2,
+                                        " with block_m = ", block_m);
+    }
 
     std::string name() const {
         static constexpr const char* kNames[] = {"fp8xfp4", "fp8xfp8", "bf16xbf16"};
         std::ostringstream os;
-        os << "sm90_mega_moe_" << kNames[static_cast<int>(mma_type)] << "_m" << block_m << "_s" << num_stages
-           << (fast_math ? "_fast" : "_exact");
+        os << "sm90_mega_moe_" << kNames[static_cast<int>(mma_type)] << "_m" << block_m << "_n" << block_n_l2
+           << "_s" << num_stages << (fast_math ? "_fast" : "_exact");
         return os.str();
     }
 
     std::string source() const {
+        check();
         std::ostringstream os;
         os << "#include <deep_gemm/impls/sm90_fp8_mega_moe.cuh>\n\n"
            << "DG_DEFINE_SM90_MEGA_MOE_KERNEL(sm90_mega_moe, " << mma_type_cpp_name(mma_type) << ", " << block_m << ", "
-           << num_stages << ", " << (fast_math ? "true" : "false") << ")\n";
+           << num_stages << ", " << (fast_math ? "true" : "false") << ", " << block_n_l2 << ")\n";
         return os.str();
     }
 
@@ -55,8 +66,8 @@ struct SM90MegaMoEVariant {
     // launch does not regenerate and hash the source.
     std::filesystem::path compile() const {
         static std::mutex mutex;
-        static std::map<std::tuple<int, int, int, bool>, std::filesystem::path> compiled;
-        const auto key = std::make_tuple(static_cast<int>(mma_type), block_m, num_stages, fast_math);
+        static std::map<std::tuple<int, int, int, bool, int>, std::filesystem::path> compiled;
+        const auto key = std::make_tuple(static_cast<int>(mma_type), block_m, num_stages, fast_math, block_n_l2);
         std::lock_guard<std::mutex> lock(mutex);
         if (auto it = compiled.find(key); it != compiled.end())
             return it->second;
@@ -89,13 +100,37 @@ inline CUtensorMap make_kmajor_tma(int64_t ptr, CUtensorMapDataType dtype, uint6
                             swizzle);
 }
 
+// The L2 task width a call launches: the heuristic's, or the tuning aid DG_MEGA_MOE_L2_BLOCK_N = 128
+// or 256 (docs/KERNEL.md; read once per process), which picks the kernel variant of that width
+// where there is one (256: BLOCK_M 64 only) and the hidden size is whole tasks of it
+inline int select_mega_moe_l2_block_n(const MegaMoEConfig& config, int hidden) {
+    static const int l2_block_n_override = [] {
+        const std::string v = jit::get_env("DG_MEGA_MOE_L2_BLOCK_N");
+        if (v.empty()) return 0;
+        if (v != "128" and v != "256")
+            jit::raise_invalid_argument("DG_MEGA_MOE_L2_BLOCK_N: expected 128 or 256, got '", v, "'");
+        return std::stoi(v);
+    }();
+    const int width = l2_block_n_override > 0 ? l2_block_n_override : config.block_n_l2;
+    return mega_moe_l2_block_n_ok(config.block_m, width) and hidden % width == 0 ? width : kMegaMoEBlockNL2;
+}
+
+// The config a call launches (the heuristic's, with the L2 width above) and its kernel variant
+inline std::pair<MegaMoEConfig, SM90MegaMoEVariant> select_sm90_mega_moe_variant(
+        MmaType mma_type, int num_ranks, int num_experts, int num_topk, int hidden, int intermediate_hidden,
+        int num_tokens, int num_sms, int max_smem_bytes, bool fast_math) {
+    auto config = get_mega_moe_config(mma_type, num_ranks, num_experts, num_topk, hidden, intermediate_hidden,
+                                      num_tokens, num_sms, max_smem_bytes);
+    config.block_n_l2 = select_mega_moe_l2_block_n(config, hidden);
+    return {config, SM90MegaMoEVariant{mma_type, config.block_m, config.num_stages, fast_math, config.block_n_l2}};
+}
+
 inline MegaMoEConfig launch_sm90_mega_moe(const SM90MegaMoEArgs& a) {
     const int num_ranks = static_cast<int>(a.buffers.size());
-    const auto config = get_mega_moe_config(a.mma_type, num_ranks, a.num_experts, a.num_topk, a.hidden,
-                                                        a.intermediate_hidden, a.num_tokens, a.num_sms, a.max_smem_bytes);
+    const auto [config, variant] = select_sm90_mega_moe_variant(a.mma_type, num_ranks, a.num_experts, a.num_topk, a.hidden,
+                                                                a.intermediate_hidden, a.num_tokens, a.num_sms,
+                                                                a.max_smem_bytes, a.fast_math);
     print_config_if_requested(config);
-
-    const SM90MegaMoEVariant variant{a.mma_type, config.block_m, config.num_stages, a.fast_math};
     auto& kernel = jit::get_kernel(variant.compile(), "sm90_mega_moe");
 
     MegaMoEParams params{};

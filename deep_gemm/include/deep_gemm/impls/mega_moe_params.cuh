@@ -29,7 +29,7 @@ DG_HOST_DEVICE constexpr uint64_t make_status(StatusCode code, Phase phase, uint
 // ---------------------------------------------------------------------------------------------
 // Kernel shape constants shared by host and device
 constexpr int kMegaMoEBlockNL1 = 256;        // 128 gate + 128 up rows (interleaved by the transform)
-constexpr int kMegaMoEBlockNL2 = 128;
+constexpr int kMegaMoEBlockNL2 = 128;        // L2 tile; an L2 task is one tile or two (kernel variant kL2BlockN)
 constexpr int kMegaMoEMaxLocalExperts = 512; // scheduler tables in shared memory
 constexpr int kMegaMoETaskRing = 4;          // scheduler -> roles task ring depth
 // Narrow decode tiles: M-blocks of a BLOCK_M = 64 kernel with at most this many tokens; their A
@@ -40,6 +40,12 @@ constexpr int kMegaMoENumMathWarpgroups = 2;
 constexpr int kMegaMoEEpilogueRowBytes = kMegaMoEBlockNL2 * 2 + 16;  // BF16 row + 16 B pad (bank spread)
 
 DG_HOST_DEVICE constexpr int mega_moe_block_k(MmaType t) { return 128 / activation_bytes(t); }
+// L2 task width, a kernel variant (template argument kL2BlockN, heuristics: block_n_l2): one 128-wide
+// tile, or 256 wide for decode tiles (BLOCK_M = 64: a narrow M-block's task is one 256-wide tile, a
+// wide one's two 128-wide tiles)
+DG_HOST_DEVICE constexpr bool mega_moe_l2_block_n_ok(int block_m, int block_n_l2) {
+    return block_n_l2 == kMegaMoEBlockNL2 or (block_n_l2 == 2 * kMegaMoEBlockNL2 and block_m == 64);
+}
 // FP8 x FP4: a stage holds the packed E2M1 B tile (256 rows x 64 bytes per 128-wide K-block); the
 // math warpgroups expand it into one E4M3 tile outside the stages (the wgmma of a K-block completes
 // before the next K-block is expanded; narrow tiles expand into registers instead), so a stage is

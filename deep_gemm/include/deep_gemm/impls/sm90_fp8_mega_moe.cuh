@@ -8,7 +8,7 @@
 // Scheduling: a dynamic task queue per rank (an atomic counter in the workspace). Task indices are
 // ordered so that every task depends only on tasks with smaller indices of its own rank or on
 // other ranks' progress:
-//     [pull: M] [L1: M x I/128] [L2: M x H/128] [combine: ceil(n / kCombineTokens)]
+//     [pull: M] [L1: M x I/128] [L2: M x H/kL2BlockN] [combine: ceil(n / kCombineTokens)]
 // A CTA claims a task only when it is ready to run it, so a CTA that waits (on an M-block's
 // arrival counter, on L1 completion, on peers) waits for work that a running CTA already holds:
 // the kernel completes even when only some of its CTAs are resident (other streams on the GPU).
@@ -115,9 +115,12 @@ struct TensorMaps {
     const CUtensorMap *l1_act, *l1_w, *l2_act, *l2_w, *l1_act_narrow, *l2_act_narrow;
 };
 
-template <MmaType kMmaType, int BLOCK_M, int kNumStages, bool kFastMath>
+// kL2BlockN: the L2 task width (mega_moe_params.cuh), a variant of its own so that the 128-wide
+// kernel carries no code of the 256-wide tasks (compiled in, they slowed it: docs/KERNEL.md)
+template <MmaType kMmaType, int BLOCK_M, int kNumStages, bool kFastMath, int kL2BlockN>
 struct Kernel {
     static_assert(BLOCK_M == 64 or BLOCK_M == 128, "one or two math warpgroups of 64 rows");
+    static_assert(mega_moe_l2_block_n_ok(BLOCK_M, kL2BlockN), "L2 tasks: 128 wide, or 256 wide with BLOCK_M = 64");
     static_assert(L::kMaxBlockM % BLOCK_M == 0 and BLOCK_M >= L::kMinBlockM, "pools are padded for kMinBlockM..kMaxBlockM");
     static_assert(kNumStages >= 2, "pipeline needs at least double buffering");
 
@@ -133,6 +136,7 @@ struct Kernel {
     static constexpr int kNarrowABytes = kMegaMoENarrowRows * 128;   // A box of a narrow tile
     static constexpr int kBBytesL1 = kMegaMoEBlockNL1 * 128;
     static constexpr int kBBytesL2 = kMegaMoEBlockNL2 * 128;
+    static constexpr int kL2Tiles = kL2BlockN / kMegaMoEBlockNL2;      // 128-column tiles per L2 task
     static constexpr int kStageBytes = mega_moe_stage_bytes(kMmaType, BLOCK_M);
     static constexpr int kStageSfBytes = mega_moe_stage_sf_bytes(kMmaType, BLOCK_M);
     static constexpr int kStageExtraBytes = mega_moe_stage_extra_bytes(kMmaType, BLOCK_M);
@@ -192,7 +196,8 @@ struct Kernel {
         __device__ uint8_t* mma_b(int s) const { return kFP4 ? expanded_b : stage_b(s); }
         __device__ float* stage_sf(int s) const { return reinterpret_cast<float*>(extras + s * kStageExtraBytes); }
         __device__ uint8_t* stage_deltas(int s) const { return extras + s * kStageExtraBytes + kStageSfBytes; }
-        // The K-block's FP32 weight block scales of the B tile: L1 [gate, up], L2 [block]
+        // The K-block's FP32 weight block scales of the B tile, one per 128-row block: L1 [gate, up],
+        // L2 [block] (256 wide, a narrow tile: [block 2j, block 2j + 1])
         __device__ float* stage_wsf(int s) const {
             return reinterpret_cast<float*>(extras + s * kStageExtraBytes + kStageSfBytes + kStageDeltaBytes);
         }
@@ -590,26 +595,40 @@ struct Kernel {
             const int le = expert_of_mblock(m);
 
             const int num_kb = (is_l1 ? lay.hidden : lay.intermediate_hidden) / BLOCK_K;
-            const int b_rows = is_l1 ? kMegaMoEBlockNL1 : kMegaMoEBlockNL2;
-            const int b_row0 = le * (is_l1 ? 2 * lay.intermediate_hidden : lay.hidden) + j * b_rows;
+            // The task's B rows (L1: 256, gate row block 2j, up 2j + 1), streamed in one pass, but
+            // for a 256-wide L2 task (kL2Tiles == 2): one 256-row tile when its M-block is narrow,
+            // else two passes of 128 rows, each a whole K loop (the math runs its 128-column tile twice)
+            int b_rows = is_l1 ? kMegaMoEBlockNL1 : kMegaMoEBlockNL2;
+            int num_passes = 1;
+            if constexpr (kL2Tiles == 2) {
+                if (not is_l1 and valid_rows(m, le) <= kNarrowRows) b_rows = kL2BlockN;   // as the math decides
+                else if (not is_l1) num_passes = 2;
+            }
+            // With kL2Tiles == 1 what follows is the 128-wide kernel from before the 256-wide
+            // variant, and its SASS is identical (docs/KERNEL.md): keep the 256-wide code in
+            // `if constexpr` and out of the expressions the 128-wide kernel evaluates
+            int b_row0 = le * (is_l1 ? 2 * lay.intermediate_hidden : lay.hidden) + j * b_rows * num_passes;
             // FP8 x FP4: B arrives packed (64 bytes per row and K-block) with its exponent deltas
             // (4 bytes per row and K-block); the math warpgroups expand it
-            const uint32_t b_bytes = kFP4 ? b_rows * (kMegaMoEPackedRowBytes + 4) : (is_l1 ? kBBytesL1 : kBBytesL2);
-            narrow = kSplitN and valid_rows(m, le) <= kNarrowRows;   // the math's choice of tile, same M-block
+            const uint32_t b_bytes = kFP4 ? b_rows * (kMegaMoEPackedRowBytes + 4)
+                                          : (is_l1 ? kBBytesL1 : kL2Tiles == 1 ? kBBytesL2 : b_rows * 128);
+            // the math's choice of tile, same M-block (and, for a two-pass L2 task, both passes)
+            narrow = kSplitN and valid_rows(m, le) <= kNarrowRows;
             const uint32_t stage_bytes = (narrow ? kNarrowABytes : kABytes) + kStageSfBytes + b_bytes;
             const CUtensorMap* tm_w = is_l1 ? tm_l1_w : tm_l2_w;
             // FP4 packed codes and deltas: one block each per (128-row block, K-block), the blocks of a
-            // row block K-major; block0 = the task's first row block at K-block 0
+            // row block K-major; block0 = the pass's first row block at K-block 0
             const uint8_t* deltas = nullptr;
             int64_t block0 = 0;
-            // FP32 weight block scales, [K-blocks] per 128-row block: L1 gate row block 2j, up 2j + 1
+            // FP32 weight block scales, [K-blocks] per 128-row block (adjacent row blocks adjacent):
+            // L1 gate row block 2j, up 2j + 1
             const float* w_sf = nullptr;
             if constexpr (kFP8)
                 w_sf = is_l1 ? p.l1_weight_scales + (static_cast<int64_t>(le) * (2 * lay.intermediate_hidden / 128) + 2 * j) * num_kb
-                             : p.l2_weight_scales + (static_cast<int64_t>(le) * (lay.hidden / 128) + j) * num_kb;
+                             : p.l2_weight_scales + (static_cast<int64_t>(le) * (lay.hidden / 128) + j * kL2Tiles) * num_kb;
             if constexpr (kFP4) {
                 const int row_blocks = (is_l1 ? 2 * lay.intermediate_hidden : lay.hidden) / 128;
-                block0 = (static_cast<int64_t>(le) * row_blocks + j * (b_rows / 128)) * num_kb;
+                block0 = (static_cast<int64_t>(le) * row_blocks + j * (b_rows * num_passes / 128)) * num_kb;
                 deltas = is_l1 ? p.l1_weight_deltas : p.l2_weight_deltas;
             }
             auto claim_stage = [&](uint32_t it) {
@@ -629,13 +648,21 @@ struct Kernel {
                                   kMegaMoEDeltaBlockBytes, sm.full + s);
                     }
                 } else {
-                    tma_load_2d(sm.stage_b(s), tm_w, sm.full + s, kb * BLOCK_K, b_row0);
+                    tma_load_2d(sm.stage_b(s), tm_w, sm.full + s, kb * BLOCK_K, b_row0);   // L1 256 rows, L2 128
+                    if constexpr (kL2Tiles == 2) {   // a narrow M-block's 256-wide L2 tile: its second 128 rows
+                        if (not is_l1 and b_rows == kL2BlockN)
+                            tma_load_2d(sm.stage_b(s) + kMegaMoEBlockNL2 * 128, tm_w, sm.full + s, kb * BLOCK_K, b_row0 + kMegaMoEBlockNL2);
+                    }
                 }
                 if constexpr (kFP8) {
-                    // The K-block's weight scales ride with the tile: 4-byte copies, so the full
-                    // barrier also waits for them (the math reads them from the stage)
+                    // The K-block's weight scales ride with the tile (one per 128-row block): 4-byte
+                    // copies, so the full barrier also waits for them (the math reads them from the stage)
                     cp_async_4(sm.stage_wsf(s), w_sf + kb);
-                    if (is_l1) cp_async_4(sm.stage_wsf(s) + 1, w_sf + num_kb + kb);
+                    if constexpr (kL2Tiles == 1) {
+                        if (is_l1) cp_async_4(sm.stage_wsf(s) + 1, w_sf + num_kb + kb);
+                    } else {   // L1 gate and up, or both row blocks of a 256-row L2 tile
+                        if (b_rows == 2 * kMegaMoEBlockNL2) cp_async_4(sm.stage_wsf(s) + 1, w_sf + num_kb + kb);
+                    }
                     cp_async_arrive_on(sm.full + s);
                 }
                 armed_end = it + 1;
@@ -654,45 +681,57 @@ struct Kernel {
             const uint32_t probe = ld_relaxed_gpu(dep);
             const int num_prefetch = min_of(num_kb, min_of(kNumStages, p.num_prefetch_stages));
             bool ok = true, ready = false;
-            int a_next = 0;     // the first K-block whose A tile is not issued yet
-            for (int kb = 0; kb < num_kb and ok; ++kb) {
-                if (not ready and kb >= num_prefetch) {
-                    // acquire: L1 waits for its M-block's tokens, L2 for all L1 N-blocks of its M-block
-                    ok = bounded_wait(p, sm.ctrl, dep_phase, p.rank, [&] { return ld_acquire_gpu(dep) >= dep_target; });
+            [[maybe_unused]] next_pass:   // a two-pass L2 task's second pass (a goto: no loop in the 128-wide kernel)
+            {
+                int a_next = 0;     // the first K-block of this pass whose A tile is not issued yet
+                for (int kb = 0; kb < num_kb and ok; ++kb) {
+                    if (not ready and kb >= num_prefetch) {
+                        // acquire: L1 waits for its M-block's tokens, L2 for all L1 N-blocks of its M-block
+                        ok = bounded_wait(p, sm.ctrl, dep_phase, p.rank, [&] { return ld_acquire_gpu(dep) >= dep_target; });
+                        if (not ok) break;
+                        fence_proxy_async_global();
+                        ready = true;
+                        // The prefetched stages get their A tiles before the next claim, which may wait for
+                        // the math to release one of them (it cannot before its A arrives)
+                        for (; a_next < kb; ++a_next) {
+                            issue_a(stage_iter + a_next), a_issued_end = stage_iter + a_next + 1;
+                            if (is_l1 and a_next < kTraceKbSlots) trace(kTraceKbIssue + a_next, true);
+                        }
+                    }
+                    ok = claim_stage(stage_iter + kb);
                     if (not ok) break;
-                    fence_proxy_async_global();
-                    ready = true;
-                    // The prefetched stages get their A tiles before the next claim, which may wait for
-                    // the math to release one of them (it cannot before its A arrives)
-                    for (; a_next < kb; ++a_next) {
+                    if (kb == 0 and not ready and probe >= dep_target) {
+                        fence_acq_rel_gpu();          // after the relaxed probe: an acquire of the dependency
+                        fence_proxy_async_global();
+                        ready = true;
+                    }
+                    for (; ready and a_next <= kb; ++a_next) {
                         issue_a(stage_iter + a_next), a_issued_end = stage_iter + a_next + 1;
                         if (is_l1 and a_next < kTraceKbSlots) trace(kTraceKbIssue + a_next, true);
                     }
                 }
-                ok = claim_stage(stage_iter + kb);
-                if (not ok) break;
-                if (kb == 0 and not ready and probe >= dep_target) {
-                    fence_acq_rel_gpu();          // after the relaxed probe: an acquire of the dependency
-                    fence_proxy_async_global();
-                    ready = true;
-                }
-                for (; ready and a_next <= kb; ++a_next) {
-                    issue_a(stage_iter + a_next), a_issued_end = stage_iter + a_next + 1;
-                    if (is_l1 and a_next < kTraceKbSlots) trace(kTraceKbIssue + a_next, true);
-                }
-            }
-            if (ok and not ready) {   // every K-block was prefetched: wait, then all A tiles
-                ok = bounded_wait(p, sm.ctrl, dep_phase, p.rank, [&] { return ld_acquire_gpu(dep) >= dep_target; });
-                if (ok) {
-                    fence_proxy_async_global();
-                    for (; a_next < num_kb; ++a_next) {
-                        issue_a(stage_iter + a_next), a_issued_end = stage_iter + a_next + 1;
-                        if (is_l1 and a_next < kTraceKbSlots) trace(kTraceKbIssue + a_next, true);
+                if (ok and not ready) {   // every K-block was prefetched: wait, then all A tiles
+                    ok = bounded_wait(p, sm.ctrl, dep_phase, p.rank, [&] { return ld_acquire_gpu(dep) >= dep_target; });
+                    if (ok) {
+                        fence_proxy_async_global();
+                        for (; a_next < num_kb; ++a_next) {
+                            issue_a(stage_iter + a_next), a_issued_end = stage_iter + a_next + 1;
+                            if (is_l1 and a_next < kTraceKbSlots) trace(kTraceKbIssue + a_next, true);
+                        }
                     }
                 }
             }
             if (not ok) break;
             stage_iter += num_kb;
+            if constexpr (kL2Tiles == 2) {
+                if (--num_passes > 0) {   // the task's second 128 rows; its dependency is met (ready)
+                    ready = true;
+                    b_row0 += kMegaMoEBlockNL2;
+                    if constexpr (kFP8) w_sf += num_kb;
+                    if constexpr (kFP4) block0 += num_kb;
+                    goto next_pass;
+                }
+            }
         }
 
         // Aborted (or done: then nothing is pending). Stages armed without their A tile get it now
@@ -1089,7 +1128,10 @@ struct Kernel {
 
     // L2 epilogue: BF16 rows straight into the source rank's combine slot [k][token][hidden]. Each
     // warpgroup stages and copies out only its own part of the tile (its 64 rows, or split: its 64
-    // columns), so the two never share shared-memory bytes here.
+    // columns), so the two never share shared-memory bytes here. `j`: the tile's 128-column block
+    // of H; kLastTile: the task's last tile (a 256-wide task of a wide M-block has two), which
+    // signals the task done.
+    template <bool kLastTile = true>
     __device__ void l2_epilogue(int m, int j, int num_rows, const MathThread& mt, float (&acc)[kL2Acc]) {
         uint8_t* tile = sm.epilogue + mt.row0() * kMegaMoEEpilogueRowBytes;
         const int col_base = kSplitN ? mt.wg * 64 : 0;      // columns of the 128-wide N-block
@@ -1115,7 +1157,8 @@ struct Kernel {
             auto* dst = peer<uint8_t>(src, lay.combine) + ((static_cast<int64_t>(k) * n_max + token) * lay.hidden + j * 128) * 2 + col;
             *reinterpret_cast<int4*>(dst) = *reinterpret_cast<const int4*>(tile + r * kMegaMoEEpilogueRowBytes + col);
         }
-        finish_l2_task(mt);
+        if constexpr (kLastTile) finish_l2_task(mt);
+        else named_barrier(kBarrierMathBase + mt.wg, 128);   // the next tile rewrites the staging rows
     }
 
     // After a warpgroup's combine-row stores of an L2 task. Release (fence_peers: system scope when
@@ -1135,10 +1178,11 @@ struct Kernel {
     // Narrow decode tiles (BLOCK_M = 64, at most kNarrowRows tokens in the M-block): the weights
     // are the wgmma M side and the tokens its N = 8, so a tile that holds one token stops paying
     // for 64 rows of tensor work and promotion. Warpgroup w takes weight rows [64 w, 64 w + 64) of
-    // each 128-row block of the B tile (L1: of gate and of up, so SwiGLU stays in the thread). The
-    // tokens are rows 0..7 of the stage's A tile, read as the K-major N side; the producer side is
-    // unchanged. Accumulator i of a thread: weight row warp * 16 + lane / 4 + 8 * (i / 2) of the
-    // warpgroup's 64, token (lane % 4) * 2 + i % 2.
+    // each 128-row block of the B tile (L1: of gate and of up, so SwiGLU stays in the thread; a
+    // 256-wide L2 tile: all of row block w). The tokens are rows 0..7 of the stage's A tile, read as
+    // the K-major N side; the producer side is unchanged (but for a 256-wide L2 task, whose narrow
+    // tile is one 256-row B tile). Accumulator i of a thread's 4 per 64-row M tile: weight row
+    // warp * 16 + lane / 4 + 8 * (i / 2) of the tile's 64, token (lane % 4) * 2 + i % 2.
     static constexpr int kNarrowRows = kMegaMoENarrowRows;
     struct NarrowThread {
         int r0, c0;   // weight row of accumulators 0, 1 within the warpgroup's 64; token of accumulators 0, 2
@@ -1149,14 +1193,15 @@ struct Kernel {
 
     // FP8 x FP4 on a narrow tile: the weights are the wgmma A side, which may come from registers,
     // so each thread expands exactly its own A fragments (no E4M3 tile in shared memory, no proxy
-    // fence, no barrier across warpgroups). Rows 64 wg + 16 warp + lane / 4 (+ 8) of 128-row block
-    // `rb`: per row one 16-byte load of chunk lane % 4 (a warp reads 8 consecutive rows, 512
-    // contiguous bytes: no bank conflicts), one 32-bit load of its 4 deltas and 4 table rows;
+    // fence, no barrier across warpgroups). Rows row0 + 16 warp + lane / 4 (+ 8) of the B tile, row0
+    // the first row of the warpgroup's 64-row M tile (128 rb + 64 wg in 128-row block rb; a 256-wide
+    // L2 tile: 128 wg + 64 t): per row one 16-byte load of chunk lane % 4 (a warp reads 8 consecutive
+    // rows, 512 contiguous bytes: no bank conflicts), one 32-bit load of its 4 deltas and 4 table rows;
     // word ks of the chunk expands to frag[ks][h] (K 32 ks + 4 (lane % 4) + [0, 4)) and frag[ks][2 + h]
     // (the same + 16), the layout of mma::WgmmaRS. Same rule as expand_fp4_tile (bit-identical).
     using FP4Fragments = uint32_t[mma::kWgmmaStepsPerKBlock][4];
-    __device__ void narrow_fp4_fragments(int s, int rb, const MathThread& mt, FP4Fragments& frag) const {
-        const int row = rb * 128 + mt.wg * 64 + mt.warp * 16 + mt.lane / 4;
+    __device__ void narrow_fp4_fragments(int s, int row0, const MathThread& mt, FP4Fragments& frag) const {
+        const int row = row0 + mt.warp * 16 + mt.lane / 4;
         const uint32_t packed = smem_addr(sm.stage_b(s)) + row * kMegaMoEPackedRowBytes + (mt.lane % 4) * kMegaMoEFP4ChunkBytes;
         const uint32_t deltas = smem_addr(sm.stage_deltas(s)) + row * 4;
         uint4 codes[2];
@@ -1196,7 +1241,7 @@ struct Kernel {
                 const float sg = sm.weight_sf(s, 0), su = sm.weight_sf(s, 1);
                 float part_g[4], part_u[4];
                 FP4Fragments ag, au;     // FP8 x FP4: A fragments of gate (row block 0) and up (row block 1)
-                if constexpr (kFP4) narrow_fp4_fragments(s, 0, mt, ag), narrow_fp4_fragments(s, 1, mt, au);
+                if constexpr (kFP4) narrow_fp4_fragments(s, mt.wg * 64, mt, ag), narrow_fp4_fragments(s, 128 + mt.wg * 64, mt, au);
                 mma::fence_operands(part_g), mma::fence_operands(part_u);
                 mma::warpgroup_arrive();
                 if constexpr (kFP4) {
@@ -1314,39 +1359,50 @@ struct Kernel {
         if (mt.tid == 0) red_release_gpu_add(mine<uint32_t>(lay.mblock_l1_done) + m, 1);
     }
 
-    // L2 on a narrow tile: this warpgroup's 64 of the block's 128 output columns
-    __device__ bool narrow_l2_mainloop(uint32_t& stage_iter, const MathThread& mt, float (&acc)[4]) {
+    // L2 on a narrow tile of kL2BlockN output columns: warpgroup w runs the kL2Tiles 64-row wgmma M
+    // tiles [kL2Tiles w, kL2Tiles w + kL2Tiles) of the B tile (128 wide: its 64 of the 128 columns;
+    // 256 wide: both halves of row block w, whose weight scale is stage float w). acc: 4 per tile.
+    __device__ bool narrow_l2_mainloop(uint32_t& stage_iter, const MathThread& mt, float (&acc)[4 * kL2Tiles]) {
         const NarrowThread nt(mt);
         const int num_kb = lay.intermediate_hidden / BLOCK_K;
-        const uint32_t b_offset = mt.wg * 64 * 128;
+        const uint32_t b_offset = mt.wg * kL2Tiles * 64 * 128;
         #pragma unroll
-        for (int i = 0; i < 4; ++i) acc[i] = 0.0f;
+        for (int i = 0; i < 4 * kL2Tiles; ++i) acc[i] = 0.0f;
         for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
             if (not wait_full(stage_iter, mt)) return false;
             const int s = stage_iter % kNumStages;
             const uint64_t dt = mma::make_k_major_sw128_desc(sm.stage_a(s));
             const uint64_t db = mma::make_k_major_sw128_desc(sm.mma_b(s) + b_offset);
             if constexpr (kFP8) {
-                const float sb = sm.weight_sf(s, 0);
+                const float sb = sm.weight_sf(s, kL2Tiles == 2 ? mt.wg : 0);
                 const float s0 = sm.token_sf(s, nt.c0) * sb, s1 = sm.token_sf(s, nt.c0 + 1) * sb;
-                float part[4];
-                FP4Fragments ab;         // FP8 x FP4 only
-                if constexpr (kFP4) narrow_fp4_fragments(s, 0, mt, ab);
+                float part[4 * kL2Tiles];
+                // FP8 x FP4 only: A fragments of M tile t from the B rows the SS descriptor would
+                // read, b_offset / 128 + 64 t = (kL2Tiles wg + t) * 64 (256 wide: halves of row block wg)
+                FP4Fragments ab;
+                [[maybe_unused]] FP4Fragments ab1;   // a 256-wide tile's second M tile
+                if constexpr (kFP4) {
+                    narrow_fp4_fragments(s, mt.wg * kL2Tiles * 64, mt, ab);
+                    if constexpr (kL2Tiles == 2) narrow_fp4_fragments(s, mt.wg * kL2Tiles * 64 + 64, mt, ab1);
+                }
                 mma::fence_operands(part);
                 mma::warpgroup_arrive();
-                if constexpr (kFP4) mma::FP8MmaRegAN8::fma_k_block(ab, dt, part, false);
-                else mma::FP8MmaN8::fma_k_block(db, dt, part, false);
+                if constexpr (kFP4) narrow_l2_fma(ab, ab1, dt, part);
+                else narrow_l2_fma<mma::FP8MmaN8>(db, dt, part, false);
                 mma::warpgroup_commit();
                 mma::warpgroup_wait<0>();
                 mma::fence_operands(part);
-                if constexpr (kFP4) mma::fence_fragments(ab);
+                if constexpr (kFP4) {
+                    mma::fence_fragments(ab);
+                    if constexpr (kL2Tiles == 2) mma::fence_fragments(ab1);
+                }
                 release_stage(stage_iter, mt);
                 #pragma unroll
-                for (int i = 0; i < 4; ++i) acc[i] += part[i] * ((i & 1) ? s1 : s0);
+                for (int i = 0; i < 4 * kL2Tiles; ++i) acc[i] += part[i] * ((i & 1) ? s1 : s0);
             } else {
                 mma::fence_operands(acc);
                 mma::warpgroup_arrive();
-                mma::BF16MmaN8::fma_k_block(db, dt, acc, kb > 0);
+                narrow_l2_fma<mma::BF16MmaN8>(db, dt, acc, kb > 0);
                 mma::warpgroup_commit();
                 mma::warpgroup_wait<0>();
                 mma::fence_operands(acc);
@@ -1355,26 +1411,51 @@ struct Kernel {
         }
         return true;
     }
+    // One K-block of the kL2Tiles wgmma M tiles (64 B rows each, consecutive in the B tile)
+    template <typename Mma>
+    __device__ static void narrow_l2_fma(uint64_t db, uint64_t dt, float (&d)[4 * kL2Tiles], bool accumulate) {
+        if constexpr (kL2Tiles == 1) {
+            Mma::fma_k_block(db, dt, d, accumulate);
+        } else {
+            Mma::fma_k_block(db, dt, *reinterpret_cast<float (*)[4]>(d), accumulate);
+            Mma::fma_k_block(mma::advance_desc(db, 64 * 128), dt, *reinterpret_cast<float (*)[4]>(d + 4), accumulate);
+        }
+    }
+    // The same for FP8 x FP4, A from registers: a0, a1 the fragments of M tiles 0, 1 (a1 unused at 128 wide)
+    __device__ static void narrow_l2_fma(const FP4Fragments& a0, const FP4Fragments& a1, uint64_t dt, float (&d)[4 * kL2Tiles]) {
+        if constexpr (kL2Tiles == 1) {
+            mma::FP8MmaRegAN8::fma_k_block(a0, dt, d, false);
+        } else {
+            mma::FP8MmaRegAN8::fma_k_block(a0, dt, *reinterpret_cast<float (*)[4]>(d), false);
+            mma::FP8MmaRegAN8::fma_k_block(a1, dt, *reinterpret_cast<float (*)[4]>(d + 4), false);
+        }
+    }
 
     // L2 epilogue of a narrow tile: BF16 token rows into the source ranks' combine slots; each
-    // warpgroup stages and copies its own 64 columns (128 bytes) of every token row
-    __device__ void narrow_l2_epilogue(int m, int j, int num_rows, const MathThread& mt, const float (&acc)[4]) {
+    // warpgroup stages and copies its own kL2Tiles x 64 columns of every token row (staging rows
+    // of kL2BlockN BF16 + 16 bytes)
+    __device__ void narrow_l2_epilogue(int m, int j, int num_rows, const MathThread& mt, const float (&acc)[4 * kL2Tiles]) {
         const NarrowThread nt(mt);
+        constexpr int kRowBytes = kL2BlockN * 2 + 16;
+        static_assert(kNarrowRows * kRowBytes <= BLOCK_M * kMegaMoEEpilogueRowBytes, "staging rows fit the epilogue tile");
         uint8_t* tile = sm.epilogue;
-        const int col = mt.wg * 64;
+        const int col = mt.wg * kL2Tiles * 64;
         #pragma unroll
-        for (int i = 0; i < 4; ++i)
-            *reinterpret_cast<__nv_bfloat16*>(tile + nt.token(i) * kMegaMoEEpilogueRowBytes + (col + nt.row(i)) * 2) = __float2bfloat16_rn(acc[i]);
+        for (int t = 0; t < kL2Tiles; ++t)
+            #pragma unroll
+            for (int i = 0; i < 4; ++i)
+                *reinterpret_cast<__nv_bfloat16*>(tile + nt.token(i) * kRowBytes + (col + t * 64 + nt.row(i)) * 2) = __float2bfloat16_rn(acc[4 * t + i]);
         named_barrier(kBarrierMathBase + mt.wg, 128);
-        constexpr int kChunks = 64 * 2 / 16;
+        constexpr int kChunks = kL2Tiles * 64 * 2 / 16;
+        static_assert(kNarrowRows * kChunks <= 128, "one 16-byte chunk per thread");
         if (mt.tid < num_rows * kChunks) {
             const int t = mt.tid / kChunks, c = col * 2 + (mt.tid % kChunks) * 16;
             const int info = __ldcg(mine<int>(lay.row_info) + static_cast<int64_t>(m) * BLOCK_M + t);
             if (info >= 0) {
                 const int n_max = lay.num_max_tokens_per_rank, topk = lay.num_topk;
                 const int src = info / (n_max * topk), token = (info % (n_max * topk)) / topk, k = info % topk;
-                auto* dst = peer<uint8_t>(src, lay.combine) + ((static_cast<int64_t>(k) * n_max + token) * lay.hidden + j * 128) * 2 + c;
-                *reinterpret_cast<int4*>(dst) = *reinterpret_cast<const int4*>(tile + t * kMegaMoEEpilogueRowBytes + c);
+                auto* dst = peer<uint8_t>(src, lay.combine) + ((static_cast<int64_t>(k) * n_max + token) * lay.hidden + j * kL2BlockN) * 2 + c;
+                *reinterpret_cast<int4*>(dst) = *reinterpret_cast<const int4*>(tile + t * kRowBytes + c);
             }
         }
         finish_l2_task(mt);
@@ -1419,12 +1500,17 @@ struct Kernel {
                 if (mt.tid == 0) trace(kTraceL2Begin, true);
                 const int le = expert_of_mblock(m), rows = valid_rows(m, le);
                 if (kSplitN and rows <= kNarrowRows) {
-                    float narrow_acc[4];
+                    float narrow_acc[4 * kL2Tiles];
                     if (not narrow_l2_mainloop(stage_iter, mt, narrow_acc)) break;
                     narrow_l2_epilogue(m, j, rows, mt, narrow_acc);
-                } else {
+                } else if constexpr (kL2Tiles == 1) {
                     if (not l2_mainloop(stage_iter, mt, acc)) break;
                     l2_epilogue(m, j, rows, mt, acc);
+                } else {   // a 256-wide task of a wide M-block: its two 128-column tiles, as the producer streams them
+                    if (not l2_mainloop(stage_iter, mt, acc)) break;
+                    l2_epilogue<false>(m, 2 * j, rows, mt, acc);
+                    if (not l2_mainloop(stage_iter, mt, acc)) break;
+                    l2_epilogue(m, 2 * j + 1, rows, mt, acc);
                 }
                 if (mt.tid == 0) trace(kTraceL2End);
             } else if (t >= tasks.l2_end()) {
@@ -1486,7 +1572,7 @@ struct Kernel {
         if (not ctrl->late and not ctrl->abort) {
             tasks.num_mblocks = ctrl->num_mblocks;
             tasks.num_l1_nblocks = lay.intermediate_hidden / 128;
-            tasks.num_l2_nblocks = lay.hidden / kMegaMoEBlockNL2;
+            tasks.num_l2_nblocks = lay.hidden / kL2BlockN;
             tasks.num_combine = ceil_div(p.num_tokens, kCombineTokensPerTask);
             if (threadIdx.x == 0) {
                 control[L::kControlNumMBlocks] = tasks.num_mblocks;
@@ -1553,14 +1639,14 @@ struct Kernel {
 }  // namespace deep_gemm::sm90_mega_moe
 
 // The JIT runtime instantiates this with the config chosen by the heuristics
-#define DG_DEFINE_SM90_MEGA_MOE_KERNEL(NAME, MMA_TYPE, BLOCK_M, NUM_STAGES, FAST_MATH)                                \
-    extern "C" __global__ void __launch_bounds__(deep_gemm::sm90_mega_moe::Kernel<MMA_TYPE, BLOCK_M, NUM_STAGES, FAST_MATH>::kNumThreads, 1) \
+#define DG_DEFINE_SM90_MEGA_MOE_KERNEL(NAME, MMA_TYPE, BLOCK_M, NUM_STAGES, FAST_MATH, L2_BLOCK_N)                    \
+    extern "C" __global__ void __launch_bounds__(deep_gemm::sm90_mega_moe::Kernel<MMA_TYPE, BLOCK_M, NUM_STAGES, FAST_MATH, L2_BLOCK_N>::kNumThreads, 1) \
     NAME(const __grid_constant__ deep_gemm::MegaMoEParams params, const __grid_constant__ CUtensorMap tm_l1_act,       \
          const __grid_constant__ CUtensorMap tm_l1_w, const __grid_constant__ CUtensorMap tm_l2_act,                   \
          const __grid_constant__ CUtensorMap tm_l2_w, const __grid_constant__ CUtensorMap tm_l1_act_narrow,            \
          const __grid_constant__ CUtensorMap tm_l2_act_narrow) {                                                      \
         extern __shared__ __align__(1024) uint8_t dg_smem[];                                                          \
         auto* base = reinterpret_cast<uint8_t*>(deep_gemm::align_up<uintptr_t>(reinterpret_cast<uintptr_t>(dg_smem), 1024)); \
-        deep_gemm::sm90_mega_moe::Kernel<MMA_TYPE, BLOCK_M, NUM_STAGES, FAST_MATH> kernel(params, base);                          \
+        deep_gemm::sm90_mega_moe::Kernel<MMA_TYPE, BLOCK_M, NUM_STAGES, FAST_MATH, L2_BLOCK_N> kernel(params, base);              \
         kernel.run({&tm_l1_act, &tm_l1_w, &tm_l2_act, &tm_l2_w, &tm_l1_act_narrow, &tm_l2_act_narrow});                \
     }
