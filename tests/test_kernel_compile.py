@@ -88,3 +88,62 @@ def test_prebuild_covers_every_kernel_the_launcher_picks():
                             picked.add((v['mma_type'], v['block_m'], v['num_stages'], fast, width))
     assert picked <= prebuilt, picked - prebuilt
     assert widths == {128, 256}, 'the sweep should meet both widths'
+
+
+def test_virtual_ranks_compile_every_variant_before_the_first_launch(monkeypatch, requires_nvcc):
+    # test_mid_shape[4-ns3-fp8xfp8] (n = [64, 7, 0, 1024] on 4 virtual ranks of an H200): rank 1's
+    # kernel is the 256-wide one, which no earlier case compiles; compiled inside rank 1's launch,
+    # it kept rank 0's already running kernel waiting past its spin-wait bound (y left NaN). So
+    # run_ranks compiles every rank's variant first, then launches (here: CPU stand-ins for the GPU)
+    import contextlib
+
+    import torch
+
+    from deep_gemm.mega import api, launch
+    from deep_gemm.testing import moe_case, virtual_ranks
+    hidden, inter, experts, topk, ns = 2048, 768, 128, 8, [64, 7, 0, 1024]
+    bufs = virtual_ranks.make_virtual_ranks(4, experts, max(ns), topk, hidden, inter, 'fp8xfp8', device='cpu')
+    for b in bufs:
+        b.num_sms = 132 // 4
+    inputs = moe_case.make_inputs('fp8xfp8', ns, hidden, experts, topk, seed=7, device='cpu')
+    events = []
+    compile_mega_moe = _C.compile_mega_moe
+
+    class Recorder:   # pybind functions cannot be wrapped in place: stand in for the module
+        def __getattr__(self, name):
+            return getattr(_C, name)
+
+        @staticmethod
+        def compile_mega_moe(*key):
+            events.append(('compile', key))
+            return compile_mega_moe(*key)
+    monkeypatch.setattr(launch, '_C', Recorder())
+    monkeypatch.setattr(launch, '_max_smem', lambda device: H200_SMEM)
+    monkeypatch.setattr(launch, '_compiled_calls', set())
+    monkeypatch.setattr(api, 'mega_moe_function', lambda t: lambda y, *a, **k: events.append(('launch', y.shape[0])))
+
+    class Streams:
+        def __init__(self, n):
+            pass
+
+        def fork(self):
+            pass
+        join = fork
+
+        def __getitem__(self, r):
+            return None
+    monkeypatch.setattr(torch.cuda, 'stream', lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, 'synchronize', lambda *a: None)
+    moe_case.run_ranks(_FakeWeights('fp8xfp8', 4), inputs, bufs, streams=Streams(4))
+    kinds = [e[0] for e in events]
+    assert kinds == ['compile'] * 4 + ['launch'] * 4
+    keys = [e[1] for e in events[:4]]
+    # (mma_type, block_m, num_stages, fast_math, block_n_l2) per rank: the kernels the launcher picks
+    assert [k[1] for k in keys] == [64, 64, 64, 128] and [k[4] for k in keys] == [128, 256, 128, 128]
+    assert [e[1] for e in events[4:]] == ns
+
+
+class _FakeWeights:
+    def __init__(self, mma_type, ranks):
+        self.mma_type = mma_type
+        self.per_rank = [(None, None)] * ranks
