@@ -53,3 +53,61 @@ def test_stage_kernel_compiles(fp8, requires_nvcc):
     kernel_dir = _C.compile_mega_moe_stage(fp8)
     with open(os.path.join(kernel_dir, 'kernel.cubin'), 'rb') as f:
         assert f.read(4) == b'\x7fELF'
+
+
+class _FakeWeights:
+    def __init__(self, mma_type, ranks):
+        self.mma_type = mma_type
+        self.per_rank = [(None, None)] * ranks
+
+
+def test_virtual_ranks_compile_every_variant_before_the_first_launch(monkeypatch, requires_nvcc):
+    # Ranks of one call pick kernels by their own n (here BLOCK_M 64 for n = 64, 7, 0 and 128 for
+    # 1024 on 4 virtual ranks of an H200). A rank whose kernel is compiled inside its own launch keeps
+    # the ranks launched before it waiting past their spin-wait bound (they time out, y stays
+    # unwritten), so run_ranks compiles every rank's variant first, then launches (CPU stand-ins here)
+    import contextlib
+
+    import torch
+
+    from deep_gemm.mega import api, launch
+    from deep_gemm.testing import moe_case, virtual_ranks
+    hidden, inter, experts, topk, ns = 2048, 768, 128, 8, [64, 7, 0, 1024]
+    bufs = virtual_ranks.make_virtual_ranks(4, experts, max(ns), topk, hidden, inter, 'fp8xfp8', device='cpu')
+    for b in bufs:
+        b.num_sms = 132 // 4
+    inputs = moe_case.make_inputs('fp8xfp8', ns, hidden, experts, topk, seed=7, device='cpu')
+    events = []
+    compile_mega_moe = _C.compile_mega_moe
+
+    class Recorder:   # pybind functions cannot be wrapped in place: stand in for the module
+        def __getattr__(self, name):
+            return getattr(_C, name)
+
+        @staticmethod
+        def compile_mega_moe(*key):
+            events.append(('compile', key))
+            return compile_mega_moe(*key)
+    monkeypatch.setattr(launch, '_C', Recorder())
+    monkeypatch.setattr(launch, '_max_smem', lambda device: H200_SMEM)
+    monkeypatch.setattr(launch, '_compiled_calls', set())
+    monkeypatch.setattr(api, 'mega_moe_function', lambda t: lambda y, *a, **k: events.append(('launch', y.shape[0])))
+
+    class Streams:
+        def __init__(self, n):
+            pass
+
+        def fork(self):
+            pass
+        join = fork
+
+        def __getitem__(self, r):
+            return None
+    monkeypatch.setattr(torch.cuda, 'stream', lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, 'synchronize', lambda *a: None)
+    moe_case.run_ranks(_FakeWeights('fp8xfp8', 4), inputs, bufs, streams=Streams(4))
+    kinds = [e[0] for e in events]
+    assert kinds == ['compile'] * 4 + ['launch'] * 4
+    # (mma_type, block_m, num_stages, fast_math) per rank: the kernels the launcher picks
+    assert [e[1][1] for e in events[:4]] == [64, 64, 64, 128]
+    assert [e[1] for e in events[4:]] == ns

@@ -24,6 +24,29 @@ def _max_smem(device: torch.device) -> int:
     return _max_smem_by_device[index]
 
 
+_compiled_calls = set()
+
+
+def compile_mega_moe_kernel(kind: str, num_tokens: int, buf, fast_math: bool = True) -> None:
+    """JIT-compile (or find in DG_JIT_CACHE_DIR) the kernel variant that `launch_mega_moe` would launch
+    for `num_tokens` tokens on `buf`, without launching it.
+
+    The variant depends on the rank's own n (BLOCK_M, stages), so ranks of one call may launch
+    different kernels. A launcher that starts several ranks from one thread (virtual ranks) calls this
+    for every rank first: otherwise a rank whose variant is not compiled yet compiles it (seconds)
+    while the ranks launched before it already wait for it, and their spin-waits time out."""
+    num_sms = int(getattr(buf, 'num_sms', None) or _C.get_num_sms())
+    key = (kind, buf.num_ranks, buf.num_experts, buf.num_topk, buf.hidden, buf.intermediate_hidden, int(num_tokens),
+           num_sms, bool(fast_math), buf.device)
+    if key in _compiled_calls:
+        return
+    mma = mma_type_to_int(kind)
+    c = _C.get_mega_moe_config(mma, buf.num_ranks, buf.num_experts, buf.num_topk, buf.hidden, buf.intermediate_hidden,
+                               int(num_tokens), num_sms, _max_smem(buf.device))
+    _C.compile_mega_moe(mma, c['block_m'], c['num_stages'], bool(fast_math))
+    _compiled_calls.add(key)
+
+
 def launch_mega_moe(kind: str, y: torch.Tensor, l1, l2, buf, stats: Optional[torch.Tensor],
                     activation_clamp: Optional[float], fast_math: bool) -> None:
     """Launch one rank's kernel on the current stream (see `deep_gemm.fp8_mega_moe`)."""

@@ -15,6 +15,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from ..mega import api as mega_api
+from ..mega import launch as mega_launch
 from ..mega.transform import (GATE_UP_INTERLEAVE, _deinterleave_gate_up, dequant_mega_moe_fp4,
                               transform_weights_for_mega_moe)
 from ..utils import dequant_per_block_fp8, per_block_cast_to_fp8, per_token_cast_to_fp8
@@ -203,6 +204,12 @@ def run_ranks(weights: MoEWeights, inputs: List[RankInputs], buffers, activation
         if poison:
             y.fill_(float('nan'))
         ys.append(y)
+    if len(buffers) > 1:
+        # Every rank's kernel variant before the first launch: a rank that JIT-compiled its variant
+        # (it depends on its n) after the ranks before it were launched would keep them waiting past
+        # their spin-wait bound (they time out and leave y unwritten)
+        for buf, y in zip(buffers, ys):
+            mega_launch.compile_mega_moe_kernel(weights.mma_type, y.shape[0], buf)
     streams = streams or VirtualRankStreams(len(buffers))
     streams.fork()
     for r, (buf, y) in enumerate(zip(buffers, ys)):
