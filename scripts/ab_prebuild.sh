@@ -5,9 +5,12 @@
 #   ab/<name>/: that source tree, its _C built here first (its heuristics pick the kernels).
 #   bash scripts/ab_prebuild.sh fp8xfp8 bf16xbf16
 set -euo pipefail
-prebuild() {   # package dir, label, formats...
+prebuild() {   # package dir, label, formats...: with that tree's own prebuild script when it has one
+    # (a branch may add kernel variants the working tree's script does not know), else the working tree's
     local d=$1 label=$2; shift 2
-    grep -v '^sys.path.insert' scripts/prebuild_kernels.py > "$d"/prebuild.py
+    local script=scripts/prebuild_kernels.py
+    [ -f "$d"/scripts/prebuild_kernels.py ] && script="$d"/scripts/prebuild_kernels.py
+    grep -v '^sys.path.insert' "$script" > "$d"/prebuild.py
     echo "$label: $(DG_JIT_CACHE_DIR=$PWD/.jit_cache PYTHONPATH=$d python "$d"/prebuild.py "$@" | grep -c -- '->') kernels"
 }
 for v in ab/*.cuh; do

@@ -4,6 +4,8 @@
 # after set-up starts) that keeps the call under the device's 10-minute command limit.
 #
 #   run(kind="nvidia-h200-x2", command="bash scripts/device_ep.sh", carry=[".whl", ".jit_cache"], timeout_s=600)
+#   DG_EP=4 (x4 machine) / DG_EP=8 (x8): the same steps at that EP size (default 2); the bench files
+#   are named bench_ep$DG_EP.*
 #
 # Before it, on the CPU machine (the kernels this script runs, so no nvcc time is spent here):
 #   rm -rf .jit_cache && python scripts/prebuild_kernels.py --ep 2 fp8xfp8 fp8xfp4 bf16xbf16
@@ -24,6 +26,7 @@
 # The probe failing skips tests and bench (they need the same symmetric memory). At most 8 files
 # come back from $OUT: these 8.
 set -uo pipefail
+EP=${DG_EP:-2}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 T0=$(date +%s)
@@ -56,7 +59,7 @@ note "setup: done in $(( $(date +%s) - T0 )) s (build log: build.log)"
     echo "=== nvidia-smi nvlink -s"; timeout -k 5 30 nvidia-smi nvlink -s 2>&1 | head -40
     echo "=== env"; env | grep -E '^(NCCL|TORCH|NVSHMEM|DG_|CUDA)' | sort
 } >> "$OUT/gpu.txt"
-run_step preflight 60 "$OUT/gpu.txt" python3 - <<'PY'
+run_step preflight 60 "$OUT/gpu.txt" python3 - "$EP" <<'PY'
 import sys
 import torch
 import torch.distributed as dist
@@ -75,25 +78,25 @@ print('symm_mem APIs: ' + ', '.join(f'{a}={hasattr(symm_mem, a)}' for a in ('emp
                                                                             'set_backend', 'get_mem_pool')))
 print(f'torch._C._construct_storage_from_data_pointer: {hasattr(torch._C, "_construct_storage_from_data_pointer")}')
 print(f'nccl available: {dist.is_nccl_available()}')
-sys.exit(0 if n >= 2 and all(access.values()) else 3)
+sys.exit(0 if n >= int(sys.argv[1]) and all(access.values()) else 3)
 PY
 if [ $? != 0 ]; then
-    note "preflight FAILED: fewer than 2 GPUs or no peer access (see gpu.txt); EP steps skipped"
+    note "preflight FAILED: fewer than $EP GPUs or no peer access (see gpu.txt); EP steps skipped"
     exit 3
 fi
 
 # ---- prebuild check, probe ----------------------------------------------------------------------------
-RESERVE=60 run_step prebuild 120 "$OUT/preflight.log" python3 scripts/prebuild_kernels.py --ep 2 fp8xfp8 fp8xfp4 bf16xbf16
+RESERVE=60 run_step prebuild 120 "$OUT/preflight.log" python3 scripts/prebuild_kernels.py --ep $EP fp8xfp8 fp8xfp4 bf16xbf16
 grep -E '\((cached|compiled)\)|^# [0-9]+ kernel' "$OUT/preflight.log" | sed 's/ -> .*//' | tee -a "$SUMMARY" | tail -3
-RESERVE=60 run_step probe 90 "$OUT/preflight.log" python3 -m deep_gemm.testing.multi_process --probe --nproc 2 --timeout 75
+RESERVE=60 run_step probe 90 "$OUT/preflight.log" python3 -m deep_gemm.testing.multi_process --probe --nproc $EP --timeout 75
 probe=$?
 grep -E '^rank |FAILED' "$OUT/preflight.log" | tee -a "$SUMMARY"
 if [ $probe != 0 ]; then
-    note "probe FAILED: symmetric memory across the 2 GPUs does not work (see preflight.log); tests and bench skipped"
+    note "probe FAILED: symmetric memory across the $EP GPUs does not work (see preflight.log); tests and bench skipped"
     exit 4
 fi
 
-# ---- EP=2 correctness: tests/test_multi_gpu.py -------------------------------------------------------
+# ---- EP=$DG_EP correctness: tests/test_multi_gpu.py -------------------------------------------------------
 # Kernel spin-wait bound: the cache is warm (prebuild step), so a peer that has not arrived after
 # 20 s is a protocol failure; fail fast instead of 60 s per queued call
 export DG_TIMEOUT_S=${DG_TIMEOUT_S:-20}
@@ -101,21 +104,21 @@ export DG_TIMEOUT_S=${DG_TIMEOUT_S:-20}
 tests_cap=$(allow 200 100)
 per_test=()   # pytest-timeout, where installed (the image lists it); the spawn and `timeout` bound it anyway
 python3 -c 'import pytest_timeout' 2>/dev/null && per_test=(--timeout=$(( tests_cap - 10 )))
-DG_TEST_EP_WORLD_SIZES=2 DG_TEST_EP_TIMEOUT_S=$(( tests_cap - 20 )) \
+DG_TEST_EP_WORLD_SIZES=$EP DG_TEST_EP_TIMEOUT_S=$(( tests_cap - 20 )) \
     run_step tests "$tests_cap" "$OUT/tests.log" \
     python3 -m pytest -v -s -rfEs -p no:cacheprovider "${per_test[@]}" tests/test_multi_gpu.py -k test_ep_on_real_gpus
 tests=$?
-grep -E '^rank [0-9]+/2 |^# EP2|PASSED|FAILED|SKIPPED|ERROR|worst calc_diff|passed|failed' "$OUT/tests.log" \
+grep -E "^rank [0-9]+/$EP |^# EP$EP|"'PASSED|FAILED|SKIPPED|ERROR|worst calc_diff|passed|failed' "$OUT/tests.log" \
     | grep -v '^=== ' | tee -a "$SUMMARY"
 
-# ---- EP=2 benchmark: v4-flash, fp8xfp8 first --------------------------------------------------------
+# ---- EP=$DG_EP benchmark: v4-flash, fp8xfp8 first --------------------------------------------------------
 bench_cap=$(allow 240 5)
-run_step bench "$bench_cap" "$OUT/bench_ep2.log" \
-    python3 -m deep_gemm.bench --ep 2 --shapes v4-flash --tokens 1 8 128 512 4096 \
+run_step bench "$bench_cap" "$OUT/bench_ep$EP.log" \
+    python3 -m deep_gemm.bench --ep $EP --shapes v4-flash --tokens 1 8 128 512 4096 \
     --formats fp8xfp8 bf16xbf16 fp8xfp4 --reps 20 --timeout $(( bench_cap - 20 )) \
-    --json "$OUT/bench_ep2.json" --plot "$OUT/bench_ep2.png"
+    --json "$OUT/bench_ep$EP.json" --plot "$OUT/bench_ep$EP.png"
 bench=$?
-sed -n '/# summary/,$p' "$OUT/bench_ep2.log" | tee -a "$SUMMARY"
-grep -E 'FAILED|Error|error' "$OUT/bench_ep2.log" | head -5 | tee -a "$SUMMARY"
+sed -n '/# summary/,$p' "$OUT/bench_ep$EP.log" | tee -a "$SUMMARY"
+grep -E 'FAILED|Error|error' "$OUT/bench_ep$EP.log" | head -5 | tee -a "$SUMMARY"
 note "total: $(( $(date +%s) - T0 )) s; tests exit $tests, bench exit $bench"
 [ $tests = 0 ] && [ $bench = 0 ]
