@@ -24,6 +24,16 @@ def _max_smem(device: torch.device) -> int:
     return _max_smem_by_device[index]
 
 
+def kernel_variant(kind: str, num_ranks: int, num_experts: int, num_topk: int, hidden: int, intermediate_hidden: int,
+                   num_tokens: int, num_sms: int, max_smem: int, fast_math: bool = True):
+    """(mma_type, block_m, num_stages, fast_math) of the kernel that a call with these arguments launches:
+    the C++ launcher's own heuristic, the key of `_C.compile_mega_moe`."""
+    mma = mma_type_to_int(kind)
+    c = _C.get_mega_moe_config(mma, num_ranks, num_experts, num_topk, hidden, intermediate_hidden, int(num_tokens),
+                               int(num_sms), int(max_smem))
+    return mma, c['block_m'], c['num_stages'], bool(fast_math)
+
+
 _compiled_calls = set()
 
 
@@ -40,10 +50,8 @@ def compile_mega_moe_kernel(kind: str, num_tokens: int, buf, fast_math: bool = T
            num_sms, bool(fast_math), buf.device)
     if key in _compiled_calls:
         return
-    mma = mma_type_to_int(kind)
-    c = _C.get_mega_moe_config(mma, buf.num_ranks, buf.num_experts, buf.num_topk, buf.hidden, buf.intermediate_hidden,
-                               int(num_tokens), num_sms, _max_smem(buf.device))
-    _C.compile_mega_moe(mma, c['block_m'], c['num_stages'], bool(fast_math))
+    _C.compile_mega_moe(*kernel_variant(kind, buf.num_ranks, buf.num_experts, buf.num_topk, buf.hidden,
+                                        buf.intermediate_hidden, num_tokens, num_sms, _max_smem(buf.device), fast_math))
     _compiled_calls.add(key)
 
 

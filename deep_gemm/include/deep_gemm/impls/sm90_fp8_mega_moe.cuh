@@ -127,6 +127,7 @@ struct Kernel {
     // Two math warpgroups: BLOCK_M = 128 gives each 64 rows; BLOCK_M = 64 splits the columns
     static constexpr int kNumMathWGs = kMegaMoENumMathWarpgroups;
     static constexpr bool kSplitN = BLOCK_M == 64;
+    static_assert(kSplitN == mega_moe_has_narrow_tiles(BLOCK_M), "the host builds the narrow A tensor maps by this rule");
     static constexpr int kNumThreads = 128 * (1 + kNumMathWGs);
     static constexpr int BLOCK_K = mega_moe_block_k(kMmaType);      // one 128-byte swizzle row
     static constexpr int kABytes = BLOCK_M * 128;
@@ -595,7 +596,10 @@ struct Kernel {
             // FP8 x FP4: B arrives packed (64 bytes per row and K-block) with its exponent deltas
             // (4 bytes per row and K-block); the math warpgroups expand it
             const uint32_t b_bytes = kFP4 ? b_rows * (kMegaMoEPackedRowBytes + 4) : (is_l1 ? kBBytesL1 : kBBytesL2);
-            narrow = kSplitN and valid_rows(m, le) <= kNarrowRows;   // the math's choice of tile, same M-block
+            // The math's choice of tile for the same M-block (math(): L1 and L2 tasks). The rule is
+            // spelled out in these three places rather than in a helper: a helper reorders the SASS
+            // of the BLOCK_M = 64 kernels (measured on the CPU), which would need a GPU A/B to land
+            narrow = kSplitN and valid_rows(m, le) <= kNarrowRows;
             const uint32_t stage_bytes = (narrow ? kNarrowABytes : kABytes) + kStageSfBytes + b_bytes;
             const CUtensorMap* tm_w = is_l1 ? tm_l1_w : tm_l2_w;
             // FP4 packed codes and deltas: one block each per (128-row block, K-block), the blocks of a
@@ -1404,7 +1408,7 @@ struct Kernel {
                 float acc[kL1Acc], row_w[2];
                 if (mt.tid == 0) trace(kTraceL1Begin, true);
                 const int le = expert_of_mblock(m), rows = valid_rows(m, le);
-                if (kSplitN and rows <= kNarrowRows) {
+                if (kSplitN and rows <= kNarrowRows) {   // the producer applies the same rule (scheduler)
                     float gate[4], up[4], tok_w[2];
                     if (not narrow_l1_mainloop(m, stage_iter, mt, gate, up, tok_w)) break;
                     narrow_l1_epilogue(m, j, rows, mt, gate, up, tok_w);
@@ -1418,7 +1422,7 @@ struct Kernel {
                 float acc[kL2Acc];
                 if (mt.tid == 0) trace(kTraceL2Begin, true);
                 const int le = expert_of_mblock(m), rows = valid_rows(m, le);
-                if (kSplitN and rows <= kNarrowRows) {
+                if (kSplitN and rows <= kNarrowRows) {   // the producer applies the same rule (scheduler)
                     float narrow_acc[4];
                     if (not narrow_l2_mainloop(stage_iter, mt, narrow_acc)) break;
                     narrow_l2_epilogue(m, j, rows, mt, narrow_acc);
