@@ -29,7 +29,8 @@ os.environ.setdefault('DG_JIT_CACHE_DIR', os.path.join(os.path.dirname(os.path.d
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import deep_gemm  # noqa: E402,F401
 from deep_gemm import _C  # noqa: E402
-from deep_gemm.mega.buffer import MMA_TYPES, mma_type_to_int  # noqa: E402
+from deep_gemm.mega.buffer import MMA_TYPES  # noqa: E402
+from deep_gemm.mega.launch import kernel_variant  # noqa: E402
 
 H200_SMEM = 232448
 H200_SMS = 132
@@ -38,10 +39,7 @@ DEFAULT_FORMATS = ('fp8xfp8', 'bf16xbf16')
 
 
 def _key(fmt, n, num_ranks, experts, topk, hidden, inter, fast):
-    """(mma_type, block_m, num_stages, fast_math, block_n_l2) of the kernel the launcher picks."""
-    v = _C.get_mega_moe_kernel_variant(mma_type_to_int(fmt), num_ranks, experts, topk, hidden, inter, n, H200_SMS,
-                                       H200_SMEM, fast)
-    return (v['mma_type'], v['block_m'], v['num_stages'], v['fast_math'], v['block_n_l2'])
+    return kernel_variant(fmt, num_ranks, experts, topk, hidden, inter, n, H200_SMS, H200_SMEM, fast)
 
 
 def variants(formats=DEFAULT_FORMATS):

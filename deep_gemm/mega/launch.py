@@ -27,6 +27,17 @@ def _max_smem(device: torch.device) -> int:
     return _max_smem_by_device[index]
 
 
+def kernel_variant(kind: str, num_ranks: int, num_experts: int, num_topk: int, hidden: int, intermediate_hidden: int,
+                   num_tokens: int, num_sms: int, max_smem: int, fast_math: bool = True):
+    """(mma_type, block_m, num_stages, fast_math, block_n_l2) of the kernel that a call with these arguments
+    launches: the C++ launcher's own choice (heuristic and DG_MEGA_MOE_L2_BLOCK_N), the key of
+    `_C.compile_mega_moe`."""
+    v = _C.get_mega_moe_kernel_variant(mma_type_to_int(kind), num_ranks, num_experts, num_topk, hidden,
+                                       intermediate_hidden, int(num_tokens), int(num_sms), int(max_smem),
+                                       bool(fast_math))
+    return v['mma_type'], v['block_m'], v['num_stages'], v['fast_math'], v['block_n_l2']
+
+
 _compiled_calls = set()
 
 
@@ -43,10 +54,8 @@ def compile_mega_moe_kernel(kind: str, num_tokens: int, buf, fast_math: bool = T
            num_sms, bool(fast_math), buf.device)
     if key in _compiled_calls:
         return
-    v = _C.get_mega_moe_kernel_variant(mma_type_to_int(kind), buf.num_ranks, buf.num_experts, buf.num_topk, buf.hidden,
-                                       buf.intermediate_hidden, int(num_tokens), num_sms, _max_smem(buf.device),
-                                       bool(fast_math))
-    _C.compile_mega_moe(v['mma_type'], v['block_m'], v['num_stages'], v['fast_math'], v['block_n_l2'])
+    _C.compile_mega_moe(*kernel_variant(kind, buf.num_ranks, buf.num_experts, buf.num_topk, buf.hidden,
+                                        buf.intermediate_hidden, num_tokens, num_sms, _max_smem(buf.device), fast_math))
     _compiled_calls.add(key)
 
 

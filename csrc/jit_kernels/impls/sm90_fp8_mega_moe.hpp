@@ -188,10 +188,13 @@ inline MegaMoEConfig launch_sm90_mega_moe(const SM90MegaMoEArgs& a) {
     CUtensorMap tm_l2_w = w_tma(a.l2_weights, i, e * h, kMegaMoEBlockNL2);
 
     // Narrow decode tiles read only the first kMegaMoENarrowRows rows of an M-block's A tile: the same
-    // pools in boxes of that many rows (passed to every kernel; used by BLOCK_M = 64 ones)
-    const uint32_t narrow_rows = static_cast<uint32_t>(std::min(kMegaMoENarrowRows, config.block_m));
-    CUtensorMap tm_l1_act_narrow = make_kmajor_tma(own + lay.l1_act.offset, dtype, h, rows, bk, narrow_rows, h * act);
-    CUtensorMap tm_l2_act_narrow = make_kmajor_tma(own + lay.l2_act.offset, dtype, i, rows, bk, narrow_rows, i * act);
+    // pools in boxes of that many rows. Kernels without narrow tiles never read these parameters and
+    // get the full-box maps (no extra encode on their launches)
+    const bool narrow = mega_moe_has_narrow_tiles(config.block_m);
+    CUtensorMap tm_l1_act_narrow =
+        narrow ? make_kmajor_tma(own + lay.l1_act.offset, dtype, h, rows, bk, kMegaMoENarrowRows, h * act) : tm_l1_act;
+    CUtensorMap tm_l2_act_narrow =
+        narrow ? make_kmajor_tma(own + lay.l2_act.offset, dtype, i, rows, bk, kMegaMoENarrowRows, i * act) : tm_l2_act;
 
     void* args[] = {&params, &tm_l1_act, &tm_l1_w, &tm_l2_act, &tm_l2_w, &tm_l1_act_narrow, &tm_l2_act_narrow};
     jit::LaunchConfig launch_config;

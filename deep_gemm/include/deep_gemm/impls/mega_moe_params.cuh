@@ -35,6 +35,9 @@ constexpr int kMegaMoETaskRing = 4;          // scheduler -> roles task ring dep
 // Narrow decode tiles: M-blocks of a BLOCK_M = 64 kernel with at most this many tokens; their A
 // tiles are loaded as boxes of this many rows (the host builds a second activation tensor map)
 constexpr int kMegaMoENarrowRows = 8;
+// Kernels that have narrow tiles (BLOCK_M = 64: the split-column decode configuration); only they
+// read the 8-row activation tensor maps, so the host builds those only for them
+DG_HOST_DEVICE constexpr bool mega_moe_has_narrow_tiles(int block_m) { return block_m == 64; }
 // Two math warpgroups at every BLOCK_M: 128 rows -> 64 rows each; 64 rows -> split columns
 constexpr int kMegaMoENumMathWarpgroups = 2;
 constexpr int kMegaMoEEpilogueRowBytes = kMegaMoEBlockNL2 * 2 + 16;  // BF16 row + 16 B pad (bank spread)

@@ -130,6 +130,7 @@ struct Kernel {
     // Two math warpgroups: BLOCK_M = 128 gives each 64 rows; BLOCK_M = 64 splits the columns
     static constexpr int kNumMathWGs = kMegaMoENumMathWarpgroups;
     static constexpr bool kSplitN = BLOCK_M == 64;
+    static_assert(kSplitN == mega_moe_has_narrow_tiles(BLOCK_M), "the host builds the narrow A tensor maps by this rule");
     static constexpr int kNumThreads = 128 * (1 + kNumMathWGs);
     static constexpr int BLOCK_K = mega_moe_block_k(kMmaType);      // one 128-byte swizzle row
     static constexpr int kABytes = BLOCK_M * 128;
@@ -612,7 +613,10 @@ struct Kernel {
             // (4 bytes per row and K-block); the math warpgroups expand it
             const uint32_t b_bytes = kFP4 ? b_rows * (kMegaMoEPackedRowBytes + 4)
                                           : (is_l1 ? kBBytesL1 : kL2Tiles == 1 ? kBBytesL2 : b_rows * 128);
-            // the math's choice of tile, same M-block (and, for a two-pass L2 task, both passes)
+            // The math's choice of tile for the same M-block (math(): L1 and L2 tasks; for a two-pass
+            // L2 task, both passes). The rule is spelled out in these three places rather than in a
+            // helper: a helper reorders the SASS of the BLOCK_M = 64 kernels (measured on the CPU),
+            // which would need a GPU A/B to land
             narrow = kSplitN and valid_rows(m, le) <= kNarrowRows;
             const uint32_t stage_bytes = (narrow ? kNarrowABytes : kABytes) + kStageSfBytes + b_bytes;
             const CUtensorMap* tm_w = is_l1 ? tm_l1_w : tm_l2_w;
@@ -1485,7 +1489,7 @@ struct Kernel {
                 float acc[kL1Acc], row_w[2];
                 if (mt.tid == 0) trace(kTraceL1Begin, true);
                 const int le = expert_of_mblock(m), rows = valid_rows(m, le);
-                if (kSplitN and rows <= kNarrowRows) {
+                if (kSplitN and rows <= kNarrowRows) {   // the producer applies the same rule (scheduler)
                     float gate[4], up[4], tok_w[2];
                     if (not narrow_l1_mainloop(m, stage_iter, mt, gate, up, tok_w)) break;
                     narrow_l1_epilogue(m, j, rows, mt, gate, up, tok_w);
@@ -1499,7 +1503,7 @@ struct Kernel {
                 float acc[kL2Acc];
                 if (mt.tid == 0) trace(kTraceL2Begin, true);
                 const int le = expert_of_mblock(m), rows = valid_rows(m, le);
-                if (kSplitN and rows <= kNarrowRows) {
+                if (kSplitN and rows <= kNarrowRows) {   // the producer applies the same rule (scheduler)
                     float narrow_acc[4 * kL2Tiles];
                     if (not narrow_l2_mainloop(stage_iter, mt, narrow_acc)) break;
                     narrow_l2_epilogue(m, j, rows, mt, narrow_acc);
