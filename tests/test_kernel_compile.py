@@ -90,11 +90,14 @@ def test_prebuild_covers_every_kernel_the_launcher_picks():
     assert widths == {128, 256}, 'the sweep should meet both widths'
 
 
-def test_virtual_ranks_compile_every_variant_before_the_first_launch(monkeypatch, requires_nvcc):
+def test_virtual_ranks_prepare_every_variant_before_the_first_launch(monkeypatch, requires_nvcc):
     # test_mid_shape[4-ns3-fp8xfp8] (n = [64, 7, 0, 1024] on 4 virtual ranks of an H200): rank 1's
-    # kernel is the 256-wide one, which no earlier case compiles; compiled inside rank 1's launch,
-    # it kept rank 0's already running kernel waiting past its spin-wait bound (y left NaN). So
-    # run_ranks compiles every rank's variant first, then launches (here: CPU stand-ins for the GPU)
+    # kernel is the 256-wide one, which no earlier case uses. Prepared inside rank 1's launch (its
+    # JIT compile, or only its module load: CUDA's lazy loading may synchronize the device), it
+    # kept rank 0's already running kernel waiting for rank 3's counts past its spin-wait bound
+    # (every rank timed out "waiting for receive counts", y left NaN; seen on the H200). So
+    # run_ranks prepares (compiles and, on a GPU, loads) every rank's variant first, then launches
+    # (here: CPU stand-ins for the GPU, so nothing is loaded)
     import contextlib
 
     import torch
@@ -107,16 +110,16 @@ def test_virtual_ranks_compile_every_variant_before_the_first_launch(monkeypatch
         b.num_sms = 132 // 4
     inputs = moe_case.make_inputs('fp8xfp8', ns, hidden, experts, topk, seed=7, device='cpu')
     events = []
-    compile_mega_moe = _C.compile_mega_moe
+    prepare_mega_moe = _C.prepare_mega_moe
 
     class Recorder:   # pybind functions cannot be wrapped in place: stand in for the module
         def __getattr__(self, name):
             return getattr(_C, name)
 
         @staticmethod
-        def compile_mega_moe(*key):
-            events.append(('compile', key))
-            return compile_mega_moe(*key)
+        def prepare_mega_moe(*args):
+            events.append(('prepare', args))
+            return prepare_mega_moe(*args)
     monkeypatch.setattr(launch, '_C', Recorder())
     monkeypatch.setattr(launch, '_max_smem', lambda device: H200_SMEM)
     monkeypatch.setattr(launch, '_compiled_calls', set())
@@ -136,11 +139,26 @@ def test_virtual_ranks_compile_every_variant_before_the_first_launch(monkeypatch
     monkeypatch.setattr(torch.cuda, 'synchronize', lambda *a: None)
     moe_case.run_ranks(_FakeWeights('fp8xfp8', 4), inputs, bufs, streams=Streams(4))
     kinds = [e[0] for e in events]
-    assert kinds == ['compile'] * 4 + ['launch'] * 4
-    keys = [e[1] for e in events[:4]]
-    # (mma_type, block_m, num_stages, fast_math, block_n_l2) per rank: the kernels the launcher picks
-    assert [k[1] for k in keys] == [64, 64, 64, 128] and [k[4] for k in keys] == [128, 256, 128, 128]
+    assert kinds == ['prepare'] * 4 + ['launch'] * 4
+    args = [e[1] for e in events[:4]]
+    assert [a[-1] for a in args] == [False] * 4, 'CPU buffers: compiled, not loaded'
+    # The kernels the launcher picks per rank (mma_type, ..., num_tokens, num_sms, max_smem, fast_math)
+    variants = [_C.get_mega_moe_kernel_variant(*a[:-1]) for a in args]
+    assert [v['block_m'] for v in variants] == [64, 64, 64, 128]
+    assert [v['block_n_l2'] for v in variants] == [128, 256, 128, 128]
+    assert [a[6] for a in args] == ns
     assert [e[1] for e in events[4:]] == ns
+
+
+def test_prepare_mega_moe_compiles_the_launched_variant(requires_nvcc):
+    # prepare_mega_moe compiles exactly the kernel get_mega_moe_kernel_variant names (load=False:
+    # no GPU needed); the cache directory is that variant's
+    args = (mma_type_to_int('fp8xfp8'), 4, 128, 8, 2048, 768, 7, 33, H200_SMEM, True)
+    path = _C.prepare_mega_moe(*args, False)
+    v = _C.get_mega_moe_kernel_variant(*args)
+    assert v['name'] in path and v['block_n_l2'] == 256
+    with pytest.raises(ValueError, match='mma_type'):
+        _C.prepare_mega_moe(7, *args[1:], False)
 
 
 class _FakeWeights:

@@ -75,6 +75,22 @@ inline void register_apis(py::module_& m) {
           "Compile (or fetch from DG_JIT_CACHE_DIR) one Mega MoE kernel variant for sm_90a; works without a GPU. "
           "block_n_l2: the L2 task width, 128 or (block_m 64) 256. Returns the kernel's cache directory.");
 
+    m.def("prepare_mega_moe",
+          [](int mma_type, int num_ranks, int num_experts, int num_topk, int hidden, int intermediate_hidden,
+             int num_tokens, int num_sms, int max_smem_bytes, bool fast_math, bool load) {
+              if (mma_type < 0 or mma_type > 2)
+                  throw std::invalid_argument("mma_type: expected 0 (fp8xfp4), 1 (fp8xfp8) or 2 (bf16xbf16)");
+              return jit_kernels::prepare_sm90_mega_moe(static_cast<MmaType>(mma_type), num_ranks, num_experts, num_topk,
+                                                        hidden, intermediate_hidden, num_tokens, num_sms, max_smem_bytes,
+                                                        fast_math, load);
+          },
+          py::arg("mma_type"), py::arg("num_ranks"), py::arg("num_experts"), py::arg("num_topk"), py::arg("hidden"),
+          py::arg("intermediate_hidden"), py::arg("num_tokens"), py::arg("num_sms"), py::arg("max_smem_bytes"),
+          py::arg("fast_math") = true, py::arg("load") = false,
+          "Compile the kernel variant launch_mega_moe would launch for these arguments (works without a GPU)\n"
+          "and, with load=True, load it into the current CUDA context as its first launch would (module load,\n"
+          "shared-memory opt-in). Returns the kernel's cache directory.");
+
     m.def("get_mega_moe_kernel_source",
           [](int mma_type, int block_m, int num_stages, bool fast_math, int block_n_l2) {
               return jit_kernels::SM90MegaMoEVariant{static_cast<MmaType>(mma_type), block_m, num_stages, fast_math, block_n_l2}

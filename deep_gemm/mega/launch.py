@@ -43,20 +43,31 @@ _compiled_calls = set()
 
 def compile_mega_moe_kernel(kind: str, num_tokens: int, buf, fast_math: bool = True) -> None:
     """JIT-compile (or find in DG_JIT_CACHE_DIR) the kernel variant that `launch_mega_moe` would launch
-    for `num_tokens` tokens on `buf`, without launching it.
+    for `num_tokens` tokens on `buf` and, on a GPU, load it as its first launch would, without launching it.
 
     The variant depends on the rank's own n (BLOCK_M, L2 task width), so ranks of one call may launch
     different kernels. A launcher that starts several ranks from one thread (virtual ranks) calls this
-    for every rank first: otherwise a rank whose variant is not compiled yet compiles it (seconds)
-    while the ranks launched before it already wait for it, and their spin-waits time out."""
+    for every rank first. Otherwise a rank whose variant is not ready compiles it (seconds) or loads
+    its module, which may synchronize the device (CUDA lazy loading), while the ranks launched before
+    it already wait for it: their spin-waits time out ("waiting for receive counts")."""
     num_sms = int(getattr(buf, 'num_sms', None) or _C.get_num_sms())
     key = (kind, buf.num_ranks, buf.num_experts, buf.num_topk, buf.hidden, buf.intermediate_hidden, int(num_tokens),
            num_sms, bool(fast_math), buf.device)
     if key in _compiled_calls:
         return
-    _C.compile_mega_moe(*kernel_variant(kind, buf.num_ranks, buf.num_experts, buf.num_topk, buf.hidden,
-                                        buf.intermediate_hidden, num_tokens, num_sms, _max_smem(buf.device), fast_math))
+    on_gpu = torch.device(buf.device).type == 'cuda'
+    if on_gpu:
+        with torch.cuda.device(buf.device):
+            _prepare(kind, buf, num_tokens, num_sms, fast_math, load=True)
+    else:
+        _prepare(kind, buf, num_tokens, num_sms, fast_math, load=False)
     _compiled_calls.add(key)
+
+
+def _prepare(kind, buf, num_tokens, num_sms, fast_math, load):
+    _C.prepare_mega_moe(mma_type_to_int(kind), buf.num_ranks, buf.num_experts, buf.num_topk, buf.hidden,
+                        buf.intermediate_hidden, int(num_tokens), int(num_sms), int(_max_smem(buf.device)),
+                        bool(fast_math), load)
 
 
 def launch_mega_moe(kind: str, y: torch.Tensor, l1, l2, buf, stats: Optional[torch.Tensor],

@@ -205,9 +205,10 @@ def run_ranks(weights: MoEWeights, inputs: List[RankInputs], buffers, activation
             y.fill_(float('nan'))
         ys.append(y)
     if len(buffers) > 1:
-        # Every rank's kernel variant before the first launch: a rank that JIT-compiled its variant
-        # (it depends on its n) after the ranks before it were launched would keep them waiting past
-        # their spin-wait bound (they time out and leave y unwritten)
+        # Every rank's kernel variant compiled and loaded before the first launch: a rank that
+        # JIT-compiled its variant (it depends on its n), or only loaded its module (CUDA's lazy
+        # loading may synchronize the device), after the ranks before it were launched would keep
+        # them waiting past their spin-wait bound (they time out and leave y unwritten)
         for buf, y in zip(buffers, ys):
             mega_launch.compile_mega_moe_kernel(weights.mma_type, y.shape[0], buf)
     streams = streams or VirtualRankStreams(len(buffers))

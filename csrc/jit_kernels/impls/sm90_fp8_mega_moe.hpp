@@ -125,6 +125,23 @@ inline std::pair<MegaMoEConfig, SM90MegaMoEVariant> select_sm90_mega_moe_variant
     return {config, SM90MegaMoEVariant{mma_type, config.block_m, config.num_stages, fast_math, config.block_n_l2}};
 }
 
+// Compile the variant a call with these arguments launches and, with `load`, load it into the
+// current context and opt in to its shared memory: what the first launch would do. Loading a
+// module may synchronize the context (CUDA lazy loading), so a launcher that starts several ranks
+// whose kernels wait for each other (virtual ranks, one thread) loads every rank's kernel first:
+// a load between two ranks' launches waits for the first rank, which waits for the second.
+inline std::string prepare_sm90_mega_moe(MmaType mma_type, int num_ranks, int num_experts, int num_topk, int hidden,
+                                         int intermediate_hidden, int num_tokens, int num_sms, int max_smem_bytes,
+                                         bool fast_math, bool load) {
+    const auto [config, variant] = select_sm90_mega_moe_variant(mma_type, num_ranks, num_experts, num_topk, hidden,
+                                                                intermediate_hidden, num_tokens, num_sms, max_smem_bytes,
+                                                                fast_math);
+    const auto dir = variant.compile();
+    if (load)
+        jit::get_kernel(dir, "sm90_mega_moe").ensure_dynamic_smem(static_cast<uint32_t>(config.smem_bytes));
+    return dir.string();
+}
+
 inline MegaMoEConfig launch_sm90_mega_moe(const SM90MegaMoEArgs& a) {
     const int num_ranks = static_cast<int>(a.buffers.size());
     const auto [config, variant] = select_sm90_mega_moe_variant(a.mma_type, num_ranks, a.num_experts, a.num_topk, a.hidden,

@@ -46,9 +46,10 @@ constexpr int kBarrierMathAll = 4;   // every math warpgroup (FP4 tile expansion
 // bar.red decisions (leave on abort) get barriers of their own, apart from those that order data
 constexpr int kBarrierDispatchDecide = 5;
 constexpr int kBarrierMathDecide = 6;   // + math warpgroup (6, 7) when each decides alone
-// Register quotas after `setmaxnreg` (384 threads): 128 x 40 + 256 x 232 <= 64K
-constexpr int kProducerRegisters = 40;
-constexpr int kMathRegisters = 232;
+// Registers per thread the kernel is launched with: __launch_bounds__(384, 1) gives each thread
+// 65536 / 384 rounded down to a multiple of 8. `setmaxnreg` only moves registers between the
+// warpgroups of this pool (a CTA's 384 x 168): an increase the pool cannot cover waits forever.
+constexpr int kLaunchRegisters = 168;
 // How often a spin loop looks at the global status word and the clock
 constexpr uint32_t kPollMask = 63;
 
@@ -147,7 +148,16 @@ struct Kernel {
     static_assert(kStageBytes == kABytes + (kFP4 ? kMegaMoEBlockNL1 * kMegaMoEPackedRowBytes : kBBytesL1));
     static_assert(kStageExtraBytes % 16 == 0 and kStageSfBytes % 16 == 0 and kStageDeltaBytes % 16 == 0,
                   "bulk copies into a stage's extras need 16-byte alignment");
-    static_assert(kNumMathWGs * 128 * kMathRegisters + 128 * kProducerRegisters <= 65536, "register file");
+    // Register quotas after `setmaxnreg`. The producer thread (warp 0) spilled its per-stage state
+    // at 40 (local-memory loads between the empty-barrier wait and the TMA issue): 56 holds it, and
+    // the math warpgroups give up 8. BF16 with 128-row tiles keeps 232 (its accumulators need them:
+    // 224 cost it 11 % at n = 4096, docs/PERF.md).
+    static constexpr bool kMathNeedsAll = kMmaType == MmaType::kBF16xBF16 and BLOCK_M == 128;
+    static constexpr int kMathRegisters = kMathNeedsAll ? 232 : 224;
+    static constexpr int kProducerRegisters = kMathNeedsAll ? 40 : 56;
+    static_assert(kNumMathWGs * 128 * kMathRegisters + 128 * kProducerRegisters <= kNumThreads * kLaunchRegisters and
+                  kLaunchRegisters == 65536 / kNumThreads / 8 * 8 and kMathRegisters % 8 == 0 and kProducerRegisters % 8 == 0,
+                  "setmaxnreg quotas within the CTA's register pool");
 
     // ------------------------------------------------------------------------------------------
     // Shared memory carve-up (sizes from mega_moe_params.cuh, which the host also uses)
