@@ -21,6 +21,7 @@
 // Every spin-wait is bounded (params.timeout_ns); on timeout or a fatal error the kernel records a
 // status word, every CTA leaves, and the host raises (DESIGN.md §6).
 
+#include <cstddef>
 #include <type_traits>
 
 #include <cuda_bf16.h>
@@ -61,6 +62,12 @@ struct SharedControl {
     int is_last_cta;
     int num_mblocks;
     uint32_t epoch;
+    // Written by the producer when it stops arming stages (abort, or done): stages from armed_final
+    // on are never armed; stages in [dead_from, armed_final) were completed with A tiles of no
+    // meaning (the drain). The math's stage waits decide on these, so every thread of a group
+    // decides alike without a barrier (the same stage index, the same words after the same wait).
+    uint32_t armed_final;
+    uint32_t dead_from;
     unsigned long long trace_first;   // trace slots stamped so far (first-only stamps, scripts/trace.py)
 };
 static_assert(sizeof(SharedControl) <= 64, "the 64 bytes of scalars in mega_moe_control_smem_bytes");
@@ -749,7 +756,11 @@ struct Kernel {
         }
 
         // Aborted (or done: then nothing is pending). Stages armed without their A tile get it now
-        // (in-bounds pool rows; the contents do not matter), then every armed stage is waited for.
+        // (in-bounds pool rows; the contents do not matter, the math leaves at them: dead_from,
+        // published before their arrivals release it), then every armed stage is waited for. Stages
+        // past armed_end are never armed: the math leaves when it waits for one (armed_final).
+        *reinterpret_cast<volatile uint32_t*>(&sm.ctrl->dead_from) = a_issued_end;
+        *reinterpret_cast<volatile uint32_t*>(&sm.ctrl->armed_final) = armed_end;
         for (uint32_t it = a_issued_end; it < armed_end; ++it) issue_a(it);
         const uint64_t start = globaltimer_ns();
         for (uint32_t it = armed_end > kNumStages ? armed_end - kNumStages : 0; it < armed_end; ++it)
@@ -799,12 +810,29 @@ struct Kernel {
                                   : named_barrier_or(kBarrierMathDecide + mt.wg, 128, pred);
     }
 
-    // Wait for a stage's bytes; false when the call was aborted (decided by the whole group)
-    __device__ bool wait_full(uint32_t stage_iter, const MathThread& mt) {
+    // Wait for a stage's bytes; false when the call was aborted. No group barrier: the decision
+    // follows from the stage itself, the same for every thread that waits for it. A stage the
+    // producer armed completes (its drain issues the missing A tiles): leave if it is one of those
+    // (dead_from, published before their arrivals); a stage it never armed never completes: leave
+    // once armed_final says so. The math's own bound (twice the producer's) is a last resort for
+    // a copy that never lands.
+    __device__ bool wait_full(uint32_t stage_iter, const MathThread&) {
         const int s = stage_iter % kNumStages;
-        const bool ok = bounded_wait(p, sm.ctrl, Phase::kPipeline, p.rank,
-                                     [&] { return mbarrier_try_wait(sm.full + s, (stage_iter / kNumStages) & 1); });
-        return not math_any(not ok or ld_volatile_shared_s32(smem_addr(&sm.ctrl->abort)), mt);
+        const uint32_t parity = (stage_iter / kNumStages) & 1;
+        const uint32_t ctrl = smem_addr(sm.ctrl);
+        constexpr uint32_t kArmedFinal = offsetof(SharedControl, armed_final), kDeadFrom = offsetof(SharedControl, dead_from);
+        if (not mbarrier_try_wait(sm.full + s, parity)) {
+            const uint64_t start = globaltimer_ns();
+            for (uint32_t n = 1; not mbarrier_try_wait(sm.full + s, parity); ++n) {
+                if ((n & kPollMask) != 0) continue;
+                if (stage_iter >= static_cast<uint32_t>(ld_volatile_shared_s32(ctrl + kArmedFinal))) return false;
+                if (globaltimer_ns() - start > 2 * p.timeout_ns) {
+                    report(p, StatusCode::kTimeout, Phase::kPipeline, p.rank, n, true, sm.ctrl);
+                    return false;
+                }
+            }
+        }
+        return stage_iter < static_cast<uint32_t>(ld_volatile_shared_s32(ctrl + kDeadFrom));
     }
     // wait_full for L1 K-block kb, with its trace stamps (scripts/trace.py: first stage, K-block cadence)
     __device__ bool wait_full_l1(int kb, uint32_t stage_iter, const MathThread& mt) {
@@ -1557,6 +1585,8 @@ struct Kernel {
             ctrl->abort = 0;
             ctrl->is_last_cta = 0;
             ctrl->num_mblocks = 0;
+            ctrl->armed_final = 0xffffffffu;
+            ctrl->dead_from = 0xffffffffu;
             ctrl->trace_first = 0;
         }
         if constexpr (kFP4) {
