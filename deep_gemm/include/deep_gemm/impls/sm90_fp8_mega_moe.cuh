@@ -812,15 +812,14 @@ struct Kernel {
 
     // Wait for a stage's bytes; false when the call was aborted. No group barrier: the decision
     // follows from the stage itself, the same for every thread that waits for it. A stage the
-    // producer armed completes (its drain issues the missing A tiles): leave if it is one of those
-    // (dead_from, published before their arrivals); a stage it never armed never completes: leave
-    // once armed_final says so. The math's own bound (twice the producer's) is a last resort for
-    // a copy that never lands.
+    // producer armed completes (its drain issues the missing A tiles; task_stages_dead stops the
+    // task before its epilogue); a stage it never armed never completes: leave once armed_final
+    // says so. The math's own bound (twice the producer's) is a last resort for a copy that never lands.
     __device__ bool wait_full(uint32_t stage_iter, const MathThread&) {
         const int s = stage_iter % kNumStages;
         const uint32_t parity = (stage_iter / kNumStages) & 1;
         const uint32_t ctrl = smem_addr(sm.ctrl);
-        constexpr uint32_t kArmedFinal = offsetof(SharedControl, armed_final), kDeadFrom = offsetof(SharedControl, dead_from);
+        constexpr uint32_t kArmedFinal = offsetof(SharedControl, armed_final);
         if (not mbarrier_try_wait(sm.full + s, parity)) {
             const uint64_t start = globaltimer_ns();
             for (uint32_t n = 1; not mbarrier_try_wait(sm.full + s, parity); ++n) {
@@ -832,7 +831,14 @@ struct Kernel {
                 }
             }
         }
-        return stage_iter < static_cast<uint32_t>(ld_volatile_shared_s32(ctrl + kDeadFrom));
+        return true;
+    }
+    // After a task's K-loop (stage_iter one past its last stage): were its last stages completed by
+    // the producer's drain (A tiles of no meaning)? Then leave before the epilogue. Checked once per
+    // task rather than after every stage wait: a dead stage's bytes only reach the accumulators,
+    // and dead stages are the suffix [dead_from, armed_final), so the task's last stage tells.
+    __device__ bool task_stages_dead(uint32_t stage_iter) const {
+        return stage_iter - 1 >= static_cast<uint32_t>(ld_volatile_shared_s32(smem_addr(sm.ctrl) + offsetof(SharedControl, dead_from)));
     }
     // wait_full for L1 K-block kb, with its trace stamps (scripts/trace.py: first stage, K-block cadence)
     __device__ bool wait_full_l1(int kb, uint32_t stage_iter, const MathThread& mt) {
@@ -1529,10 +1535,10 @@ struct Kernel {
                 const int le = expert_of_mblock(m), rows = valid_rows(m, le);
                 if (kSplitN and rows <= kNarrowRows) {   // the producer applies the same rule (scheduler)
                     float gate[4], up[4], tok_w[2];
-                    if (not narrow_l1_mainloop(m, stage_iter, mt, gate, up, tok_w)) break;
+                    if (not narrow_l1_mainloop(m, stage_iter, mt, gate, up, tok_w) or task_stages_dead(stage_iter)) break;
                     narrow_l1_epilogue(m, j, rows, mt, gate, up, tok_w);
                 } else {
-                    if (not l1_mainloop(m, stage_iter, mt, acc, row_w)) break;
+                    if (not l1_mainloop(m, stage_iter, mt, acc, row_w) or task_stages_dead(stage_iter)) break;
                     l1_epilogue(m, j, rows, mt, acc, row_w);
                 }
                 if (mt.tid == 0 and mt.wg == 0) trace(kTraceL1End);
@@ -1543,15 +1549,15 @@ struct Kernel {
                 const int le = expert_of_mblock(m), rows = valid_rows(m, le);
                 if (kSplitN and rows <= kNarrowRows) {   // the producer applies the same rule (scheduler)
                     float narrow_acc[4 * kL2Tiles];
-                    if (not narrow_l2_mainloop(stage_iter, mt, narrow_acc)) break;
+                    if (not narrow_l2_mainloop(stage_iter, mt, narrow_acc) or task_stages_dead(stage_iter)) break;
                     narrow_l2_epilogue(m, j, rows, mt, narrow_acc);
                 } else if constexpr (kL2Tiles == 1) {
-                    if (not l2_mainloop(stage_iter, mt, acc)) break;
+                    if (not l2_mainloop(stage_iter, mt, acc) or task_stages_dead(stage_iter)) break;
                     l2_epilogue(m, j, rows, mt, acc);
                 } else {   // a 256-wide task of a wide M-block: its two 128-column tiles, as the producer streams them
-                    if (not l2_mainloop(stage_iter, mt, acc)) break;
+                    if (not l2_mainloop(stage_iter, mt, acc) or task_stages_dead(stage_iter)) break;
                     l2_epilogue<false>(m, 2 * j, rows, mt, acc);
-                    if (not l2_mainloop(stage_iter, mt, acc)) break;
+                    if (not l2_mainloop(stage_iter, mt, acc) or task_stages_dead(stage_iter)) break;
                     l2_epilogue(m, 2 * j + 1, rows, mt, acc);
                 }
                 if (mt.tid == 0) trace(kTraceL2End);
