@@ -102,12 +102,20 @@ fi
 export DG_TIMEOUT_S=${DG_TIMEOUT_S:-20}
 # One spawn runs all 6 cases; it is bounded by DG_TEST_EP_TIMEOUT_S, each test by pytest-timeout
 tests_cap=$(allow 200 100)
-per_test=()   # pytest-timeout, where installed (the image lists it); the spawn and `timeout` bound it anyway
-python3 -c 'import pytest_timeout' 2>/dev/null && per_test=(--timeout=$(( tests_cap - 10 )))
-DG_TEST_EP_WORLD_SIZES=$EP DG_TEST_EP_TIMEOUT_S=$(( tests_cap - 20 )) \
-    run_step tests "$tests_cap" "$OUT/tests.log" \
-    python3 -m pytest -v -s -rfEs -p no:cacheprovider "${per_test[@]}" tests/test_multi_gpu.py -k test_ep_on_real_gpus
-tests=$?
+if [ "$tests_cap" -lt 90 ]; then
+    # The spawn's bound is tests_cap - 20: below ~70 s the ranks are killed while still starting
+    # (reported as spawn timeouts, i.e. as failures that say nothing about the kernel). Seen with
+    # DG_EP_BUDGET_S=170: a 4 s spawn bound, 6 "failed".
+    note "tests: SKIPPED (the budget leaves ${tests_cap} s, the EP tests need >= 90 s; raise DG_EP_BUDGET_S)"
+    tests=98
+else
+    per_test=()   # pytest-timeout, where installed (the image lists it); the spawn and `timeout` bound it anyway
+    python3 -c 'import pytest_timeout' 2>/dev/null && per_test=(--timeout=$(( tests_cap - 10 )))
+    DG_TEST_EP_WORLD_SIZES=$EP DG_TEST_EP_TIMEOUT_S=$(( tests_cap - 20 )) \
+        run_step tests "$tests_cap" "$OUT/tests.log" \
+        python3 -m pytest -v -s -rfEs -p no:cacheprovider "${per_test[@]}" tests/test_multi_gpu.py -k test_ep_on_real_gpus
+    tests=$?
+fi
 grep -E "^rank [0-9]+/$EP |^# EP$EP|"'PASSED|FAILED|SKIPPED|ERROR|worst calc_diff|passed|failed' "$OUT/tests.log" \
     | grep -v '^=== ' | tee -a "$SUMMARY"
 
