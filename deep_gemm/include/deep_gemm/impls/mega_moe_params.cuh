@@ -136,6 +136,9 @@ struct MegaMoEParams {
     // Every rank's buffer is on this GPU (EP1, virtual ranks): the cross-rank signals (counts,
     // combine rows and flags) need gpu scope only; else sys scope (peers over NVLink)
     int peers_on_this_gpu;
+    // Split-K L1 allowed (DG_MEGA_MOE_L1_SPLIT, default 1): the kernel splits when every L1 tile of
+    // the call is narrow and twice the tiles fit the grid (docs/KERNEL.md)
+    int l1_split_enabled;
 };
 
 // `SymmBuffer.stage(x, topk_idx, topk_weights)`: one launch that fills a rank's inputs
