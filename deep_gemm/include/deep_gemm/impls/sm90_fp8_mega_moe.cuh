@@ -1354,6 +1354,7 @@ struct Kernel {
     // out before its count (stores, barrier, one release by thread 0: cumulativity), and the
     // second's acquire of that count orders its reads after them. The second resets the counter
     // for the next call.
+    static_assert(L::kSplitPartialFloats == kNumMathThreads * 8, "split partials: gate[4] + up[4] per math thread");
     __device__ bool split_l1_exchange(int tile, int half, const MathThread& mt, float (&gate)[4], float (&up)[4]) {
         const int thread = mt.wg * 128 + mt.tid;
         float* partials = mine<float>(lay.split_partials) + static_cast<int64_t>(tile) * 2 * L::kSplitPartialFloats;
@@ -1596,6 +1597,8 @@ struct Kernel {
                     if (tasks.l1_split == 1 or split_l1_exchange(tile, idx % tasks.l1_split, mt, gate, up))
                         narrow_l1_epilogue(m, j, rows, mt, gate, up, tok_w);
                 } else {
+                    // Never split (l1_split = 2 only when every tile is narrow: max_tokens <= kNarrowRows
+                    // in build_layout); the wide loop runs all of H's K-blocks, as the producer streams them
                     if (not l1_mainloop(m, stage_iter, mt, acc, row_w) or task_stages_dead(stage_iter)) break;
                     l1_epilogue(m, j, rows, mt, acc, row_w);
                 }
@@ -1681,7 +1684,7 @@ struct Kernel {
         if (not ctrl->late and not ctrl->abort) {
             tasks.num_mblocks = ctrl->num_mblocks;
             tasks.num_l1_nblocks = lay.intermediate_hidden / 128;
-            tasks.l1_split = kSplitN ? ctrl->l1_split : 1;   // (BLOCK_M = 128 kernels never split: folded away)
+            tasks.l1_split = kSplitN ? ctrl->l1_split : 1;   // BLOCK_M = 128 kernels never split (a constant 1 there)
             tasks.num_l2_nblocks = lay.hidden / kL2BlockN;
             tasks.num_combine = ceil_div(p.num_tokens, kCombineTokensPerTask);
             if (threadIdx.x == 0) {
