@@ -154,15 +154,21 @@ print('other', _C.print_mega_moe_config_if_requested(*args, 8192, 132, 232448), 
 """
 
 
-def _run_print_script(env_value):
+def _run_script(script, env_name, env_value, *args):
+    """stdout of `python -c script args` in a fresh process (the C++ side reads env_name once per
+    process), with env_name set to env_value or unset (None)."""
     env = dict(os.environ)
-    env.pop('DG_PRINT_CONFIGS', None)
+    env.pop(env_name, None)
     if env_value is not None:
-        env['DG_PRINT_CONFIGS'] = env_value
+        env[env_name] = env_value
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env['PYTHONPATH'] = root + os.pathsep + env.get('PYTHONPATH', '')
-    return subprocess.run([sys.executable, '-c', _PRINT_SCRIPT], env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, '-c', script, *args], env=env, capture_output=True, text=True,
                           check=True, cwd=root).stdout
+
+
+def _run_print_script(env_value):
+    return _run_script(_PRINT_SCRIPT, 'DG_PRINT_CONFIGS', env_value)
 
 
 def test_print_configs_once_per_distinct_config():
@@ -242,15 +248,7 @@ _CASES = [_V4_FLASH_N1, _MID_N1, _MID_N4096, _ODD_H_N1, _V4_FP4_N1, _V4_BF16_N1]
 
 
 def _launched_variants(override, cases=_CASES):
-    env = dict(os.environ)
-    env.pop('DG_MEGA_MOE_L2_BLOCK_N', None)
-    if override is not None:
-        env['DG_MEGA_MOE_L2_BLOCK_N'] = override
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env['PYTHONPATH'] = root + os.pathsep + env.get('PYTHONPATH', '')
-    out = subprocess.run([sys.executable, '-c', _VARIANT_SCRIPT, json.dumps(cases)], env=env, capture_output=True,
-                         text=True, check=True, cwd=root).stdout
-    return json.loads(out)
+    return json.loads(_run_script(_VARIANT_SCRIPT, 'DG_MEGA_MOE_L2_BLOCK_N', override, json.dumps(cases)))
 
 
 @pytest.mark.parametrize('override, widths', [

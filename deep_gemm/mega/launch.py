@@ -9,6 +9,7 @@ outside any capture that follows a warm-up call).
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -55,19 +56,12 @@ def compile_mega_moe_kernel(kind: str, num_tokens: int, buf, fast_math: bool = T
            num_sms, bool(fast_math), buf.device)
     if key in _compiled_calls:
         return
-    on_gpu = torch.device(buf.device).type == 'cuda'
-    if on_gpu:
-        with torch.cuda.device(buf.device):
-            _prepare(kind, buf, num_tokens, num_sms, fast_math, load=True)
-    else:
-        _prepare(kind, buf, num_tokens, num_sms, fast_math, load=False)
+    load = torch.device(buf.device).type == 'cuda'    # CPU buffers (tests): compile only
+    with torch.cuda.device(buf.device) if load else contextlib.nullcontext():
+        _C.prepare_mega_moe(mma_type_to_int(kind), buf.num_ranks, buf.num_experts, buf.num_topk, buf.hidden,
+                            buf.intermediate_hidden, int(num_tokens), int(num_sms), int(_max_smem(buf.device)),
+                            bool(fast_math), load)
     _compiled_calls.add(key)
-
-
-def _prepare(kind, buf, num_tokens, num_sms, fast_math, load):
-    _C.prepare_mega_moe(mma_type_to_int(kind), buf.num_ranks, buf.num_experts, buf.num_topk, buf.hidden,
-                        buf.intermediate_hidden, int(num_tokens), int(num_sms), int(_max_smem(buf.device)),
-                        bool(fast_math), load)
 
 
 def launch_mega_moe(kind: str, y: torch.Tensor, l1, l2, buf, stats: Optional[torch.Tensor],
