@@ -180,16 +180,17 @@ inline MegaMoEConfig launch_sm90_mega_moe(const SM90MegaMoEArgs& a) {
         return value;
     }();
     params.num_prefetch_stages = prefetch_override >= 0 ? std::min(prefetch_override, config.num_stages) : config.num_stages;
-    // Tuning aid: DG_MEGA_MOE_L1_SPLIT=0 turns split-K L1 tiles off (the kernel decides per call
-    // whether to split: docs/KERNEL.md)
-    static const int l1_split_enabled = [] {
+    // Tuning aid: DG_MEGA_MOE_L1_SPLIT=N caps the K parts of a split-K L1 tile (1 or 0: never
+    // split; default 4: the kernel picks 1, 2 or 4 per call, docs/KERNEL.md)
+    static const int l1_split_max = [] {
         const std::string v = jit::get_env("DG_MEGA_MOE_L1_SPLIT");
-        if (v.empty() or v == "1") return 1;
-        if (v == "0") return 0;
-        jit::raise_invalid_argument("DG_MEGA_MOE_L1_SPLIT: expected 0 or 1, got '", v, "'");
-        return 1;
+        if (v.empty()) return 4;
+        if (v == "0" or v == "1") return 1;
+        if (v == "2" or v == "4") return std::stoi(v);
+        jit::raise_invalid_argument("DG_MEGA_MOE_L1_SPLIT: expected 0, 1, 2 or 4, got '", v, "'");
+        return 4;
     }();
-    params.l1_split_enabled = l1_split_enabled;
+    params.l1_split_max = l1_split_max;
 
     const auto& lay = params.layout;
     const bool fp8 = is_fp8_activation(a.mma_type);

@@ -68,8 +68,8 @@ struct SharedControl {
     // decides alike without a barrier (the same stage index, the same words after the same wait).
     uint32_t armed_final;
     uint32_t dead_from;
-    int l1_split;      // K halves per L1 tile this call (1 or 2), decided alike by every CTA
-    int split_last;    // the math's split-K exchange: this CTA finished the tile's second half
+    int l1_split;      // K parts per L1 tile this call (1, 2 or 4), decided alike by every CTA
+    int split_last;    // the math's split-K exchange: this CTA finished the tile's last part
     unsigned long long trace_first;   // trace slots stamped so far (first-only stamps, scripts/trace.py)
 };
 static_assert(sizeof(SharedControl) <= 64, "the 64 bytes of scalars in mega_moe_control_smem_bytes");
@@ -227,7 +227,7 @@ struct Kernel {
     };
 
     // Task space of one call, identical in every CTA of a rank once the receive counts are known
-    // (split-K decode calls: l1_split = 2 consecutive L1 tasks per tile, one per K half)
+    // (split-K decode calls: l1_split consecutive L1 tasks per tile, one per K part)
     struct Tasks {
         int num_mblocks, num_l1_nblocks, num_l2_nblocks, num_combine, l1_split;
         __device__ int pull_end() const { return num_mblocks; }
@@ -374,14 +374,24 @@ struct Kernel {
             if (threadIdx.x == 0) {
                 sm.mblock_begin[num_le] = running;
                 sm.ctrl->num_mblocks = running;
-                // Split-K L1 (decode): every L1 tile narrow (at most kNarrowRows tokens per expert),
-                // both K halves of every tile on a CTA of their own, and a K-block count that halves.
-                // At one token on mid (48 tiles of 16 K-blocks on 132 SMs) the L1 K-loop is bound by
-                // its per-K-block round trip, not by bytes: half the K-blocks per task, twice the CTAs.
+                // Split-K L1 (decode): when every L1 tile is narrow (at most kNarrowRows tokens per
+                // expert), each tile may run as s consecutive tasks of num_kb / s K-blocks. A narrow
+                // K-loop is bound by its per-K-block round trip, not by bytes, so the L1 phase lasts
+                // about rounds(s) x num_kb / s K-blocks, rounds(s) = ceil(tiles x s / grid): the
+                // smallest such s of {1, 2, 4} (up to p.l1_split_max) wins. Mid at one token: 48
+                // tiles of 16 K-blocks on 132 SMs, s = 2 (8); v4-flash: 96 tiles of 32, s = 4 (24).
                 const int64_t tiles = static_cast<int64_t>(running) * (lay.intermediate_hidden / 128);
-                sm.ctrl->l1_split = kSplitN and p.l1_split_enabled and max_tokens <= kNarrowRows and tiles > 0 and
-                                    tiles <= L::kMaxSplitSlots and 2 * tiles <= static_cast<int64_t>(gridDim.x) and
-                                    (lay.hidden / BLOCK_K) % 2 == 0 ? 2 : 1;
+                const int num_kb = lay.hidden / BLOCK_K;
+                int split = 1;
+                if (kSplitN and max_tokens <= kNarrowRows and tiles > 0 and tiles <= L::kMaxSplitTiles) {
+                    int64_t best = num_kb;
+                    for (int s = 2; s <= p.l1_split_max; s *= 2) {
+                        if (num_kb % s != 0 or tiles * s > L::kMaxSplitParts) break;
+                        const int64_t cost = ceil_div(tiles * s, static_cast<int64_t>(gridDim.x)) * (num_kb / s);
+                        if (cost < best) best = cost, split = s;
+                    }
+                }
+                sm.ctrl->l1_split = split;
                 if (static_cast<int64_t>(running) * BLOCK_M > lay.num_pool_rows)
                     report(p, StatusCode::kBadCount, Phase::kRecvCounts, p.rank, running, true, sm.ctrl);
             }
@@ -589,7 +599,7 @@ struct Kernel {
         const auto* l1_done = mine<uint32_t>(lay.mblock_l1_done);
         bool is_l1 = false, narrow = false;
         int m = 0;
-        int kb0 = 0;    // the task's first K-block (a split-K L1 task's second half: num_kb / 2)
+        int kb0 = 0;    // the task's first K-block (split-K L1 part q of s: q x num_kb / s)
         // A stage's bytes are expected when it is claimed (B may be streamed before the task's inputs
         // are ready), but the producer arrives on its full barrier only here, after the acquire of
         // the task's dependency: a math thread that waited for any stage of a task is ordered after
@@ -623,7 +633,7 @@ struct Kernel {
             if (not is_l1 and not is_l2) continue;
             const int idx = is_l1 ? t - tasks.pull_end() : t - tasks.l1_end();
             const int nblocks = is_l1 ? tasks.num_l1_nblocks : tasks.num_l2_nblocks;
-            // split-K L1: consecutive tasks are the K halves of one tile (math(): the same rule)
+            // split-K L1: consecutive tasks are the K parts of one tile (math(): the same rule)
             const int split = is_l1 ? tasks.l1_split : 1;
             const int tile = idx / split;
             m = tile / nblocks;
@@ -1348,34 +1358,44 @@ struct Kernel {
         return true;
     }
 
-    // Split-K L1 (both math warpgroups, after a K half of tile `tile`): write this half's partial
-    // sums, count the half in; the second to finish adds the other half's partials and returns true
-    // (it runs the epilogue), the first returns false. Nobody waits: the first half's partials are
-    // out before its count (stores, barrier, one release by thread 0: cumulativity), and the
-    // second's acquire of that count orders its reads after them. The second resets the counter
-    // for the next call.
+    // Split-K L1 (both math warpgroups, after K part `part` of `split` of tile `tile`): write this
+    // part's partial sums, count the part in; the last part to finish sums all parts and returns
+    // true (it runs the epilogue), the others return false. Nobody waits: a part's partials are out
+    // before its count (stores, barrier, one release by thread 0: cumulativity), and the last one's
+    // acquire of the count orders its reads after every other part's stores. The sum runs in part
+    // order (part 0 + part 1 + ...) whichever CTA is last, so calls stay bitwise repeatable. The
+    // last part resets the counter for the next call.
     static_assert(L::kSplitPartialFloats == kNumMathThreads * 8, "split partials: gate[4] + up[4] per math thread");
-    __device__ bool split_l1_exchange(int tile, int half, const MathThread& mt, float (&gate)[4], float (&up)[4]) {
+    __device__ bool split_l1_exchange(int tile, int part, int split, const MathThread& mt, float (&gate)[4], float (&up)[4]) {
         const int thread = mt.wg * 128 + mt.tid;
-        float* partials = mine<float>(lay.split_partials) + static_cast<int64_t>(tile) * 2 * L::kSplitPartialFloats;
-        float4* own = reinterpret_cast<float4*>(partials + half * L::kSplitPartialFloats) + thread * 2;
-        __stcg(own, make_float4(gate[0], gate[1], gate[2], gate[3]));
-        __stcg(own + 1, make_float4(up[0], up[1], up[2], up[3]));
+        float4* partials = reinterpret_cast<float4*>(mine<float>(lay.split_partials) +
+                                                     static_cast<int64_t>(tile) * split * L::kSplitPartialFloats) + thread * 2;
+        constexpr int kPartStride = L::kSplitPartialFloats / 4;   // float4s per part
+        __stcg(partials + part * kPartStride, make_float4(gate[0], gate[1], gate[2], gate[3]));
+        __stcg(partials + part * kPartStride + 1, make_float4(up[0], up[1], up[2], up[3]));
         named_barrier(kBarrierMathAll, kNumMathThreads);
         if (thread == 0) {
             auto* count = mine<uint32_t>(lay.split_count) + tile;
-            const bool second = atom_acq_rel_gpu_add(count, 1) == 1;
-            if (second) *count = 0;
-            *reinterpret_cast<volatile int*>(&sm.ctrl->split_last) = second;
+            const bool last = atom_acq_rel_gpu_add(count, 1) == static_cast<uint32_t>(split - 1);
+            if (last) *count = 0;
+            *reinterpret_cast<volatile int*>(&sm.ctrl->split_last) = last;
         }
         named_barrier(kBarrierMathAll, kNumMathThreads);
         if (not ld_volatile_shared_s32(smem_addr(&sm.ctrl->split_last))) return false;
-        const float4* other = reinterpret_cast<const float4*>(partials + (1 - half) * L::kSplitPartialFloats) + thread * 2;
-        const float4 g = __ldcg(other), u = __ldcg(other + 1);
-        // One FP32 addition of the two halves per accumulator: commutative, so bitwise the same
-        // whichever half finishes second (calls stay bitwise repeatable)
-        gate[0] += g.x, gate[1] += g.y, gate[2] += g.z, gate[3] += g.w;
-        up[0] += u.x, up[1] += u.y, up[2] += u.z, up[3] += u.w;
+        float g[4], u[4];
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) g[i] = gate[i], u[i] = up[i];
+        for (int q = 0; q < split; ++q) {
+            float4 pg = make_float4(g[0], g[1], g[2], g[3]), pu = make_float4(u[0], u[1], u[2], u[3]);
+            if (q != part) pg = __ldcg(partials + q * kPartStride), pu = __ldcg(partials + q * kPartStride + 1);
+            if (q == 0) {
+                gate[0] = pg.x, gate[1] = pg.y, gate[2] = pg.z, gate[3] = pg.w;
+                up[0] = pu.x, up[1] = pu.y, up[2] = pu.z, up[3] = pu.w;
+            } else {
+                gate[0] += pg.x, gate[1] += pg.y, gate[2] += pg.z, gate[3] += pg.w;
+                up[0] += pu.x, up[1] += pu.y, up[2] += pu.z, up[3] += pu.w;
+            }
+        }
         return true;
     }
 
@@ -1583,7 +1603,7 @@ struct Kernel {
             // Leave together: the math warpgroups meet at barriers and wgmma until the task ends
             if (math_any(t >= total or sm.ctrl->abort, mt)) break;
             if (t >= tasks.pull_end() and t < tasks.l1_end()) {
-                // split-K: consecutive tasks are the K halves of one tile (the scheduler's rule)
+                // split-K: consecutive tasks are the K parts of one tile (the scheduler's rule)
                 const int idx = t - tasks.pull_end(), tile = idx / tasks.l1_split;
                 const int m = tile / tasks.num_l1_nblocks, j = tile % tasks.num_l1_nblocks;
                 float acc[kL1Acc], row_w[2];
@@ -1593,11 +1613,11 @@ struct Kernel {
                     float gate[4], up[4], tok_w[2];
                     const int task_kb = lay.hidden / BLOCK_K / tasks.l1_split;
                     if (not narrow_l1_mainloop(m, task_kb, stage_iter, mt, gate, up, tok_w) or task_stages_dead(stage_iter)) break;
-                    // split-K: only the tile's second finisher (sum of both halves) runs the epilogue
-                    if (tasks.l1_split == 1 or split_l1_exchange(tile, idx % tasks.l1_split, mt, gate, up))
+                    // split-K: only the tile's last finisher (sum of all parts) runs the epilogue
+                    if (tasks.l1_split == 1 or split_l1_exchange(tile, idx % tasks.l1_split, tasks.l1_split, mt, gate, up))
                         narrow_l1_epilogue(m, j, rows, mt, gate, up, tok_w);
                 } else {
-                    // Never split (l1_split = 2 only when every tile is narrow: max_tokens <= kNarrowRows
+                    // Never split (l1_split > 1 only when every tile is narrow: max_tokens <= kNarrowRows
                     // in build_layout); the wide loop runs all of H's K-blocks, as the producer streams them
                     if (not l1_mainloop(m, stage_iter, mt, acc, row_w) or task_stages_dead(stage_iter)) break;
                     l1_epilogue(m, j, rows, mt, acc, row_w);

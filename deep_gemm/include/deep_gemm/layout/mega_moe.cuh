@@ -35,10 +35,11 @@ constexpr int kMaxBlockM = 128;
 constexpr int64_t kSectionAlignment = 1024;
 constexpr int kNumStatusWords = 8;
 constexpr int kNumControlWords = 16;
-// Split-K L1 tiles (decode calls whose L1 tiles are all narrow and fit the grid twice): at most
-// this many tiles per call, each with kSplitPartialFloats FP32 partial sums per K half (the math
-// warpgroups' 256 threads x 8 accumulators)
-constexpr int kMaxSplitSlots = 128;
+// Split-K L1 tiles (decode calls whose L1 tiles are all narrow): at most kMaxSplitTiles tiles
+// (one counter each) and kMaxSplitParts K parts per call, each part kSplitPartialFloats FP32
+// partial sums (the math warpgroups' 256 threads x 8 accumulators)
+constexpr int kMaxSplitTiles = 128;
+constexpr int kMaxSplitParts = 512;
 constexpr int kSplitPartialFloats = 256 * 8;
 
 // Control word slots (uint32, local to a rank)
@@ -113,8 +114,8 @@ struct MegaMoELayout {
         mblock_l1_done = take(static_cast<int64_t>(num_max_mblocks) * 4);
         row_info = take(rows * 4);
         row_weight = take(rows * 4);
-        split_count = take(kMaxSplitSlots * 4);
-        split_partials = take(static_cast<int64_t>(kMaxSplitSlots) * 2 * kSplitPartialFloats * 4);
+        split_count = take(kMaxSplitTiles * 4);
+        split_partials = take(static_cast<int64_t>(kMaxSplitParts) * kSplitPartialFloats * 4);
         num_workspace_bytes = cursor;
 
         x = take(n * h * act);
