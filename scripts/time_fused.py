@@ -1,12 +1,14 @@
 """Time the fused kernel alone, for A/B comparisons of kernel changes within one device call.
 
-    python scripts/time_fused.py [--reps R] [--sys-scope] fmt hidden inter experts topk n [fmt hidden ...]
+    python scripts/time_fused.py [--reps R] [--sys-scope] [--floor] fmt hidden inter experts topk n [fmt hidden ...]
 
 Per case: median of R CUDA-graph replays of one EP1 call (L2 flushed before each, as in
 `deep_gemm.bench`), no baseline. Run it twice per variant, interleaved (A B A B), with PYTHONPATH
 pointing at each variant's copy of the package (the repository root for the working tree): one device call then compares variants on the
 same GPU, which separate calls (a fresh machine each) cannot. --sys-scope makes the one rank order
 its signals at system scope, as with peers on other GPUs (SymmBuffer.peers_on_this_gpu = False).
+--floor first times, the same way, a graph of one one-element kernel: what the method reports for a
+kernel that does nothing (graph launch, event pair, the first kernel after the flush).
 """
 import argparse
 import os
@@ -22,6 +24,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument('--reps', type=int, default=30)
     parser.add_argument('--sys-scope', action='store_true', help='system-scope signals, as with remote peers')
+    parser.add_argument('--floor', action='store_true', help='also time a graph of one trivial kernel')
     parser.add_argument('case', nargs='+', help='groups of: fmt hidden inter experts topk n')
     args = parser.parse_args()
     if len(args.case) % 6:
@@ -33,11 +36,16 @@ def main() -> None:
     tag = os.path.dirname(os.path.dirname(os.path.abspath(mega_api.__file__)))
     # tuning aids set for this run (AB_ENVS in scripts/ab_run.sh) name the variant too
     tag += ''.join(f' {k}={v}' for k, v in sorted(os.environ.items()) if k.startswith('DG_MEGA_MOE_'))
+    if args.floor:
+        one = torch.ones(1, device='cuda')
+        graph, _ = capture_graph(lambda: one.add_(1.0))
+        print(f'{tag}: floor (graph of one one-element kernel): {event_median_us(graph.replay, args.reps, flush):.1f} us',
+              flush=True)
     for c in range(0, len(args.case), 6):
         fmt = args.case[c]
         h, i, e, k, n = map(int, args.case[c + 1:c + 6])
         w = mc.make_weights(fmt, h, i, e, 1, seed=0)
-        (buf,) = mc.make_buffers(fmt, 1, e, n, k, h, i)
+        (buf,) = mc.make_buffers(fmt, 1, e, max(n, 1), k, h, i)
         if args.sys_scope:
             buf.peers_on_this_gpu = False
         inputs = mc.make_inputs(fmt, [n], h, e, k, seed=1)

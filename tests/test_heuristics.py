@@ -280,3 +280,36 @@ def test_256_wide_l2_needs_block_m_64():
     # the default is the 128-wide kernel
     assert _C.get_mega_moe_kernel_source(MMA_TYPES['fp8xfp8'], 64, 5) == \
         _C.get_mega_moe_kernel_source(MMA_TYPES['fp8xfp8'], 64, 5, True, 128)
+
+
+# Split-K L1 cap per format (the kernel picks 1, 2 or 4 parts per call up to it), with
+# DG_MEGA_MOE_L1_SPLIT unset or set, in a fresh process (read once per process)
+_SPLIT_SCRIPT = """
+import json
+from deep_gemm import _C
+out = []
+for t in range(3):
+    try:
+        out.append(_C.get_mega_moe_l1_split_max(t))
+    except ValueError as e:
+        out.append(str(e))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize('override, caps', [
+    (None, {'fp8xfp4': 2, 'fp8xfp8': 1, 'bf16xbf16': 2}),   # measured: FP8 x FP8 slower split (docs/PERF.md)
+    ('0', {'fp8xfp4': 1, 'fp8xfp8': 1, 'bf16xbf16': 1}),
+    ('1', {'fp8xfp4': 1, 'fp8xfp8': 1, 'bf16xbf16': 1}),
+    ('4', {'fp8xfp4': 4, 'fp8xfp8': 4, 'bf16xbf16': 4}),
+])
+def test_l1_split_cap_per_format(override, caps):
+    out = json.loads(_run_script(_SPLIT_SCRIPT, 'DG_MEGA_MOE_L1_SPLIT', override))
+    assert out == [caps[name] for name, _ in sorted(MMA_TYPES.items(), key=lambda kv: kv[1])]
+
+
+def test_launcher_rejects_a_bad_l1_split_setting():
+    out = json.loads(_run_script(_SPLIT_SCRIPT, 'DG_MEGA_MOE_L1_SPLIT', '3'))
+    assert all('DG_MEGA_MOE_L1_SPLIT' in o and "'3'" in o for o in out), out
+    with pytest.raises(ValueError, match='mma_type'):
+        _C.get_mega_moe_l1_split_max(3)

@@ -100,6 +100,16 @@ inline void register_apis(py::module_& m) {
           py::arg("block_n_l2") = kMegaMoEBlockNL2,
           "The generated source of one Mega MoE kernel variant (for inspection).");
 
+    m.def("get_mega_moe_l1_split_max",
+          [](int mma_type) {
+              if (mma_type < 0 or mma_type > 2)
+                  throw std::invalid_argument("mma_type: expected 0 (fp8xfp4), 1 (fp8xfp8) or 2 (bf16xbf16)");
+              return jit_kernels::mega_moe_l1_split_max(static_cast<MmaType>(mma_type));
+          },
+          py::arg("mma_type"),
+          "Most K parts of a split-K L1 tile the launcher allows for this format (DG_MEGA_MOE_L1_SPLIT or\n"
+          "the heuristic's cap: 1 = never split). Works without a GPU.");
+
     m.def("get_mega_moe_kernel_variant",
           [](int mma_type, int num_ranks, int num_experts, int num_topk, int hidden, int intermediate_hidden,
              int num_tokens, int num_sms, int max_smem_bytes, bool fast_math) {

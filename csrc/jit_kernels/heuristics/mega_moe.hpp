@@ -170,6 +170,17 @@ inline MegaMoEConfig get_mega_moe_config(MmaType mma_type, int num_ranks, int nu
     return c;
 }
 
+// Most K parts of a split-K L1 tile (the kernel splits a decode call's narrow L1 tiles into 1, 2 or
+// 4 parts, fewest rounds x K-blocks per part: docs/KERNEL.md). Measured, same-GPU A/B
+// (docs/PERF.md, session 8): two parts are faster for FP8 x FP4 (-8 to -11 % at mid, one token)
+// and BF16 (-5 %), whose narrow K-blocks cost more math (E2M1 expansion) or come twice as many per
+// tile; FP8 x FP8 was slower (+1 to +3 %: its 16 K-blocks per tile already keep HBM near its rate
+// once split) and four parts were slower in every format where the rule picked them (v4-flash at
+// one token: FP8 +5 %, FP8 x FP4 +11 %). So: FP8 x FP8 never splits, the others up to two parts.
+inline int get_mega_moe_l1_split_max(MmaType mma_type) {
+    return mma_type == MmaType::kFP8xFP8 ? 1 : 2;
+}
+
 // Prints `config` to stdout when `DG_PRINT_CONFIGS=1`, once per distinct config for the life of the
 // process (a serving loop would otherwise print on every call). Returns whether it printed.
 inline bool print_config_if_requested(const MegaMoEConfig& config) {

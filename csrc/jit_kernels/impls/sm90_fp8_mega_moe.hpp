@@ -142,6 +142,20 @@ inline std::string prepare_sm90_mega_moe(MmaType mma_type, int num_ranks, int nu
     return dir.string();
 }
 
+// Most K parts of a split-K L1 tile this process launches with: DG_MEGA_MOE_L1_SPLIT (tuning aid:
+// 0 or 1 never split, 2, 4; read once) or else the heuristic's per-format cap
+inline int mega_moe_l1_split_max(MmaType mma_type) {
+    static const int override_max = [] {
+        const std::string v = jit::get_env("DG_MEGA_MOE_L1_SPLIT");
+        if (v.empty()) return -1;
+        if (v == "0" or v == "1") return 1;
+        if (v == "2" or v == "4") return std::stoi(v);
+        jit::raise_invalid_argument("DG_MEGA_MOE_L1_SPLIT: expected 0, 1, 2 or 4, got '", v, "'");
+        return -1;
+    }();
+    return override_max > 0 ? override_max : get_mega_moe_l1_split_max(mma_type);
+}
+
 inline MegaMoEConfig launch_sm90_mega_moe(const SM90MegaMoEArgs& a) {
     const int num_ranks = static_cast<int>(a.buffers.size());
     const auto [config, variant] = select_sm90_mega_moe_variant(a.mma_type, num_ranks, a.num_experts, a.num_topk, a.hidden,
@@ -180,6 +194,7 @@ inline MegaMoEConfig launch_sm90_mega_moe(const SM90MegaMoEArgs& a) {
         return value;
     }();
     params.num_prefetch_stages = prefetch_override >= 0 ? std::min(prefetch_override, config.num_stages) : config.num_stages;
+    params.l1_split_max = mega_moe_l1_split_max(a.mma_type);
 
     const auto& lay = params.layout;
     const bool fp8 = is_fp8_activation(a.mma_type);

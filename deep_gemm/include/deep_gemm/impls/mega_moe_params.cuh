@@ -136,6 +136,9 @@ struct MegaMoEParams {
     // Every rank's buffer is on this GPU (EP1, virtual ranks): the cross-rank signals (counts,
     // combine rows and flags) need gpu scope only; else sys scope (peers over NVLink)
     int peers_on_this_gpu;
+    // Most K parts per split-K L1 tile (DG_MEGA_MOE_L1_SPLIT, default 4; 1 = never split): the
+    // kernel picks 1, 2 or 4 per call when every L1 tile is narrow (docs/KERNEL.md)
+    int l1_split_max;
 };
 
 // `SymmBuffer.stage(x, topk_idx, topk_weights)`: one launch that fills a rank's inputs

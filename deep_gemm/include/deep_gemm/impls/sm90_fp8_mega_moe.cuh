@@ -68,6 +68,8 @@ struct SharedControl {
     // decides alike without a barrier (the same stage index, the same words after the same wait).
     uint32_t armed_final;
     uint32_t dead_from;
+    int l1_split;      // K parts per L1 tile this call (1, 2 or 4), decided alike by every CTA
+    int split_last;    // the math's split-K exchange: this CTA finished the tile's last part
     unsigned long long trace_first;   // trace slots stamped so far (first-only stamps, scripts/trace.py)
 };
 static_assert(sizeof(SharedControl) <= 64, "the 64 bytes of scalars in mega_moe_control_smem_bytes");
@@ -225,10 +227,11 @@ struct Kernel {
     };
 
     // Task space of one call, identical in every CTA of a rank once the receive counts are known
+    // (split-K decode calls: l1_split consecutive L1 tasks per tile, one per K part)
     struct Tasks {
-        int num_mblocks, num_l1_nblocks, num_l2_nblocks, num_combine;
+        int num_mblocks, num_l1_nblocks, num_l2_nblocks, num_combine, l1_split;
         __device__ int pull_end() const { return num_mblocks; }
-        __device__ int l1_end() const { return pull_end() + num_mblocks * num_l1_nblocks; }
+        __device__ int l1_end() const { return pull_end() + num_mblocks * num_l1_nblocks * l1_split; }
         __device__ int l2_end() const { return l1_end() + num_mblocks * num_l2_nblocks; }
         __device__ int total() const { return l2_end() + num_combine; }
     };
@@ -352,10 +355,11 @@ struct Kernel {
 
         // Exclusive scan of M-blocks per expert (warp 0)
         if (threadIdx.x < 32) {
-            int running = 0;
+            int running = 0, max_tokens = 0;
             for (int base = 0; base < num_le; base += 32) {
                 const int le = base + static_cast<int>(threadIdx.x);
                 const int mblocks = le < num_le ? ceil_div(sm.expert_tokens[le], BLOCK_M) : 0;
+                if (le < num_le) max_tokens = max_of(max_tokens, sm.expert_tokens[le]);
                 int incl = mblocks;
                 #pragma unroll
                 for (int d = 1; d < 32; d *= 2) {
@@ -365,9 +369,29 @@ struct Kernel {
                 if (le < num_le) sm.mblock_begin[le] = running + incl - mblocks;
                 running += __shfl_sync(0xffffffff, incl, 31);
             }
+            #pragma unroll
+            for (int d = 16; d > 0; d /= 2) max_tokens = max_of(max_tokens, __shfl_xor_sync(0xffffffff, max_tokens, d));
             if (threadIdx.x == 0) {
                 sm.mblock_begin[num_le] = running;
                 sm.ctrl->num_mblocks = running;
+                // Split-K L1 (decode): when every L1 tile is narrow (at most kNarrowRows tokens per
+                // expert), each tile may run as s consecutive tasks of num_kb / s K-blocks. A narrow
+                // K-loop is bound by its per-K-block round trip, not by bytes, so the L1 phase lasts
+                // about rounds(s) x num_kb / s K-blocks, rounds(s) = ceil(tiles x s / grid): the
+                // smallest such s of {1, 2, 4} (up to p.l1_split_max) wins. Mid at one token: 48
+                // tiles of 16 K-blocks on 132 SMs, s = 2 (8); v4-flash: 96 tiles of 32, s = 4 (24).
+                const int64_t tiles = static_cast<int64_t>(running) * (lay.intermediate_hidden / 128);
+                const int num_kb = lay.hidden / BLOCK_K;
+                int split = 1;
+                if (kSplitN and max_tokens <= kNarrowRows and tiles > 0 and tiles <= L::kMaxSplitTiles) {
+                    int64_t best = num_kb;
+                    for (int s = 2; s <= p.l1_split_max; s *= 2) {
+                        if (num_kb % s != 0 or tiles * s > L::kMaxSplitParts) break;
+                        const int64_t cost = ceil_div(tiles * s, static_cast<int64_t>(gridDim.x)) * (num_kb / s);
+                        if (cost < best) best = cost, split = s;
+                    }
+                }
+                sm.ctrl->l1_split = split;
                 if (static_cast<int64_t>(running) * BLOCK_M > lay.num_pool_rows)
                     report(p, StatusCode::kBadCount, Phase::kRecvCounts, p.rank, running, true, sm.ctrl);
             }
@@ -575,13 +599,14 @@ struct Kernel {
         const auto* l1_done = mine<uint32_t>(lay.mblock_l1_done);
         bool is_l1 = false, narrow = false;
         int m = 0;
+        int kb0 = 0;    // the task's first K-block (split-K L1 part q of s: q x num_kb / s)
         // A stage's bytes are expected when it is claimed (B may be streamed before the task's inputs
         // are ready), but the producer arrives on its full barrier only here, after the acquire of
         // the task's dependency: a math thread that waited for any stage of a task is ordered after
         // that acquire, so its plain loads of what the pull / L1 CTAs wrote (row weights, routing)
         // need no acquire of their own.
         auto issue_a = [&](uint32_t it) {
-            const int s = it % kNumStages, kb = static_cast<int>(it - stage_iter);
+            const int s = it % kNumStages, kb = static_cast<int>(it - stage_iter) + kb0;
             // A narrow tile's math reads rows 0 .. kNarrowRows - 1 only: a box of those rows (the
             // same bytes, same swizzle) instead of BLOCK_M rows, 7/8 less per stage to bring in
             const CUtensorMap* tm_act = is_l1 ? (narrow ? tm.l1_act_narrow : tm.l1_act) : (narrow ? tm.l2_act_narrow : tm.l2_act);
@@ -608,11 +633,18 @@ struct Kernel {
             if (not is_l1 and not is_l2) continue;
             const int idx = is_l1 ? t - tasks.pull_end() : t - tasks.l1_end();
             const int nblocks = is_l1 ? tasks.num_l1_nblocks : tasks.num_l2_nblocks;
-            m = idx / nblocks;
-            const int j = idx % nblocks;
+            // split-K L1: consecutive tasks are the K parts of one tile (math(): the same rule)
+            const int split = is_l1 ? tasks.l1_split : 1;
+            const int tile = idx / split;
+            m = tile / nblocks;
+            const int j = tile % nblocks;
             const int le = expert_of_mblock(m);
 
+            // num_kb: K-blocks of the whole reduction (the strides below); task_kb of this task,
+            // K-blocks [kb0, kb0 + task_kb)
             const int num_kb = (is_l1 ? lay.hidden : lay.intermediate_hidden) / BLOCK_K;
+            const int task_kb = num_kb / split;
+            kb0 = (idx % split) * task_kb;
             // The task's B rows (L1: 256, gate row block 2j, up 2j + 1), streamed in one pass, but
             // for a 256-wide L2 task (kL2Tiles == 2): one 256-row tile when its M-block is narrow,
             // else two passes of 128 rows, each a whole K loop (the math runs its 128-column tile twice)
@@ -658,7 +690,7 @@ struct Kernel {
                                      [&] { return mbarrier_try_wait(sm.empty + s, ((it / kNumStages) & 1) ^ 1); }))
                     return false;
                 mbarrier_expect_tx(sm.full + s, stage_bytes);
-                const int kb = static_cast<int>(it - stage_iter);
+                const int kb = static_cast<int>(it - stage_iter) + kb0;
                 if constexpr (kFP4) {
                     // Per 128-row block: its packed codes (one contiguous 8 KB block, a TMA box of
                     // 128 rows of 64 bytes) and its deltas (512 bytes)
@@ -700,12 +732,12 @@ struct Kernel {
             const uint32_t dep_target = is_l1 ? 1u : static_cast<uint32_t>(tasks.num_l1_nblocks * kNumMathWGs);
             const Phase dep_phase = is_l1 ? Phase::kL1Wait : Phase::kL2Wait;
             const uint32_t probe = ld_relaxed_gpu(dep);
-            const int num_prefetch = min_of(num_kb, min_of(kNumStages, p.num_prefetch_stages));
+            const int num_prefetch = min_of(task_kb, min_of(kNumStages, p.num_prefetch_stages));
             bool ok = true, ready = false;
             [[maybe_unused]] next_pass:   // a two-pass L2 task's second pass (a goto: no loop in the 128-wide kernel)
             {
                 int a_next = 0;     // the first K-block of this pass whose A tile is not issued yet
-                for (int kb = 0; kb < num_kb and ok; ++kb) {
+                for (int kb = 0; kb < task_kb and ok; ++kb) {
                     if (not ready and kb >= num_prefetch) {
                         // acquire: L1 waits for its M-block's tokens, L2 for all L1 N-blocks of its M-block
                         ok = bounded_wait(p, sm.ctrl, dep_phase, p.rank, [&] { return ld_acquire_gpu(dep) >= dep_target; });
@@ -735,7 +767,7 @@ struct Kernel {
                     ok = bounded_wait(p, sm.ctrl, dep_phase, p.rank, [&] { return ld_acquire_gpu(dep) >= dep_target; });
                     if (ok) {
                         fence_proxy_async_global();
-                        for (; a_next < num_kb; ++a_next) {
+                        for (; a_next < task_kb; ++a_next) {
                             issue_a(stage_iter + a_next), a_issued_end = stage_iter + a_next + 1;
                             if (is_l1 and a_next < kTraceKbSlots) trace(kTraceKbIssue + a_next, true);
                         }
@@ -743,7 +775,7 @@ struct Kernel {
                 }
             }
             if (not ok) break;
-            stage_iter += num_kb;
+            stage_iter += task_kb;
             if constexpr (kL2Tiles == 2) {
                 if (--num_passes > 0) {   // the task's second 128 rows; its dependency is met (ready)
                     ready = true;
@@ -1272,9 +1304,10 @@ struct Kernel {
 
     // L1 on a narrow tile: gate and up of this warpgroup's 64 rows. Also returns the top-k weights
     // of this thread's two tokens (ordered after the pull's writes by the stage wait).
-    __device__ bool narrow_l1_mainloop(int m, uint32_t& stage_iter, const MathThread& mt, float (&gate)[4], float (&up)[4], float (&tok_w)[2]) {
+    // num_kb: the task's K-blocks (all of H, or a split-K half)
+    __device__ bool narrow_l1_mainloop(int m, int num_kb, uint32_t& stage_iter, const MathThread& mt, float (&gate)[4], float (&up)[4],
+                                       float (&tok_w)[2]) {
         const NarrowThread nt(mt);
-        const int num_kb = lay.hidden / BLOCK_K;
         const uint32_t gate_offset = mt.wg * 64 * 128, up_offset = gate_offset + 128 * 128;
         #pragma unroll
         for (int i = 0; i < 4; ++i) gate[i] = up[i] = 0.0f;
@@ -1320,6 +1353,47 @@ struct Kernel {
                 mma::warpgroup_wait<0>();
                 mma::fence_operands(gate), mma::fence_operands(up);
                 release_stage(stage_iter, mt);
+            }
+        }
+        return true;
+    }
+
+    // Split-K L1 (both math warpgroups, after K part `part` of `split` of tile `tile`): write this
+    // part's partial sums, count the part in; the last part to finish sums all parts and returns
+    // true (it runs the epilogue), the others return false. Nobody waits: a part's partials are out
+    // before its count (stores, barrier, one release by thread 0: cumulativity), and the last one's
+    // acquire of the count orders its reads after every other part's stores. The sum runs in part
+    // order (part 0 + part 1 + ...) whichever CTA is last, so calls stay bitwise repeatable. The
+    // last part resets the counter for the next call.
+    static_assert(L::kSplitPartialFloats == kNumMathThreads * 8, "split partials: gate[4] + up[4] per math thread");
+    __device__ bool split_l1_exchange(int tile, int part, int split, const MathThread& mt, float (&gate)[4], float (&up)[4]) {
+        const int thread = mt.wg * 128 + mt.tid;
+        float4* partials = reinterpret_cast<float4*>(mine<float>(lay.split_partials) +
+                                                     static_cast<int64_t>(tile) * split * L::kSplitPartialFloats) + thread * 2;
+        constexpr int kPartStride = L::kSplitPartialFloats / 4;   // float4s per part
+        __stcg(partials + part * kPartStride, make_float4(gate[0], gate[1], gate[2], gate[3]));
+        __stcg(partials + part * kPartStride + 1, make_float4(up[0], up[1], up[2], up[3]));
+        named_barrier(kBarrierMathAll, kNumMathThreads);
+        if (thread == 0) {
+            auto* count = mine<uint32_t>(lay.split_count) + tile;
+            const bool last = atom_acq_rel_gpu_add(count, 1) == static_cast<uint32_t>(split - 1);
+            if (last) *count = 0;
+            *reinterpret_cast<volatile int*>(&sm.ctrl->split_last) = last;
+        }
+        named_barrier(kBarrierMathAll, kNumMathThreads);
+        if (not ld_volatile_shared_s32(smem_addr(&sm.ctrl->split_last))) return false;
+        float g[4], u[4];
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) g[i] = gate[i], u[i] = up[i];
+        for (int q = 0; q < split; ++q) {
+            float4 pg = make_float4(g[0], g[1], g[2], g[3]), pu = make_float4(u[0], u[1], u[2], u[3]);
+            if (q != part) pg = __ldcg(partials + q * kPartStride), pu = __ldcg(partials + q * kPartStride + 1);
+            if (q == 0) {
+                gate[0] = pg.x, gate[1] = pg.y, gate[2] = pg.z, gate[3] = pg.w;
+                up[0] = pu.x, up[1] = pu.y, up[2] = pu.z, up[3] = pu.w;
+            } else {
+                gate[0] += pg.x, gate[1] += pg.y, gate[2] += pg.z, gate[3] += pg.w;
+                up[0] += pu.x, up[1] += pu.y, up[2] += pu.z, up[3] += pu.w;
             }
         }
         return true;
@@ -1529,15 +1603,22 @@ struct Kernel {
             // Leave together: the math warpgroups meet at barriers and wgmma until the task ends
             if (math_any(t >= total or sm.ctrl->abort, mt)) break;
             if (t >= tasks.pull_end() and t < tasks.l1_end()) {
-                const int idx = t - tasks.pull_end(), m = idx / tasks.num_l1_nblocks, j = idx % tasks.num_l1_nblocks;
+                // split-K: consecutive tasks are the K parts of one tile (the scheduler's rule)
+                const int idx = t - tasks.pull_end(), tile = idx / tasks.l1_split;
+                const int m = tile / tasks.num_l1_nblocks, j = tile % tasks.num_l1_nblocks;
                 float acc[kL1Acc], row_w[2];
                 if (mt.tid == 0) trace(kTraceL1Begin, true);
                 const int le = expert_of_mblock(m), rows = valid_rows(m, le);
                 if (kSplitN and rows <= kNarrowRows) {   // the producer applies the same rule (scheduler)
                     float gate[4], up[4], tok_w[2];
-                    if (not narrow_l1_mainloop(m, stage_iter, mt, gate, up, tok_w) or task_stages_dead(stage_iter)) break;
-                    narrow_l1_epilogue(m, j, rows, mt, gate, up, tok_w);
+                    const int task_kb = lay.hidden / BLOCK_K / tasks.l1_split;
+                    if (not narrow_l1_mainloop(m, task_kb, stage_iter, mt, gate, up, tok_w) or task_stages_dead(stage_iter)) break;
+                    // split-K: only the tile's last finisher (sum of all parts) runs the epilogue
+                    if (tasks.l1_split == 1 or split_l1_exchange(tile, idx % tasks.l1_split, tasks.l1_split, mt, gate, up))
+                        narrow_l1_epilogue(m, j, rows, mt, gate, up, tok_w);
                 } else {
+                    // Never split (l1_split > 1 only when every tile is narrow: max_tokens <= kNarrowRows
+                    // in build_layout); the wide loop runs all of H's K-blocks, as the producer streams them
                     if (not l1_mainloop(m, stage_iter, mt, acc, row_w) or task_stages_dead(stage_iter)) break;
                     l1_epilogue(m, j, rows, mt, acc, row_w);
                 }
@@ -1593,6 +1674,7 @@ struct Kernel {
             ctrl->num_mblocks = 0;
             ctrl->armed_final = 0xffffffffu;
             ctrl->dead_from = 0xffffffffu;
+            ctrl->l1_split = 1;
             ctrl->trace_first = 0;
         }
         if constexpr (kFP4) {
@@ -1622,6 +1704,7 @@ struct Kernel {
         if (not ctrl->late and not ctrl->abort) {
             tasks.num_mblocks = ctrl->num_mblocks;
             tasks.num_l1_nblocks = lay.intermediate_hidden / 128;
+            tasks.l1_split = kSplitN ? ctrl->l1_split : 1;   // BLOCK_M = 128 kernels never split (a constant 1 there)
             tasks.num_l2_nblocks = lay.hidden / kL2BlockN;
             tasks.num_combine = ceil_div(p.num_tokens, kCombineTokensPerTask);
             if (threadIdx.x == 0) {

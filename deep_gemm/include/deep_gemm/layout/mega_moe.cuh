@@ -8,7 +8,9 @@
 //
 // workspace   status words, control counters, per-(local expert, source rank) receive counts and
 //             source-index lists (written by peers), per-M-block arrival / L1-done counters,
-//             per-pool-row routing info (source rank, token, top-k slot) and top-k weight
+//             per-pool-row routing info (source rank, token, top-k slot) and top-k weight, and the
+//             split-K L1 exchange of decode calls (per L1 tile: a counter and both K halves' partial
+//             sums)
 // inputs      x [N, H], x_sf [N, H/128] (FP8 formats), topk_idx [N, K] int64, topk_weights [N, K] f32
 // L1 pool     tokens pulled from every source rank, grouped by local expert, each expert padded to
 //             a multiple of BLOCK_M rows: act [rows, H], scales [H/128][rows] (M-major so that an
@@ -33,6 +35,12 @@ constexpr int kMaxBlockM = 128;
 constexpr int64_t kSectionAlignment = 1024;
 constexpr int kNumStatusWords = 8;
 constexpr int kNumControlWords = 16;
+// Split-K L1 tiles (decode calls whose L1 tiles are all narrow): at most kMaxSplitTiles tiles
+// (one counter each) and kMaxSplitParts K parts per call, each part kSplitPartialFloats FP32
+// partial sums (the math warpgroups' 256 threads x 8 accumulators)
+constexpr int kMaxSplitTiles = 128;
+constexpr int kMaxSplitParts = 512;
+constexpr int kSplitPartialFloats = 256 * 8;
 
 // Control word slots (uint32, local to a rank)
 constexpr int kControlEpoch = 0;          // number of calls completed on this buffer
@@ -61,7 +69,7 @@ struct MegaMoELayout {
 
     // Workspace
     Section status, control, recv_count, combine_ready, src_index, mblock_arrival, mblock_l1_done;
-    Section row_info, row_weight;
+    Section row_info, row_weight, split_count, split_partials;
     // Inputs
     Section x, x_sf, topk_idx, topk_weights;
     // Pools
@@ -106,6 +114,8 @@ struct MegaMoELayout {
         mblock_l1_done = take(static_cast<int64_t>(num_max_mblocks) * 4);
         row_info = take(rows * 4);
         row_weight = take(rows * 4);
+        split_count = take(kMaxSplitTiles * 4);
+        split_partials = take(static_cast<int64_t>(kMaxSplitParts) * kSplitPartialFloats * 4);
         num_workspace_bytes = cursor;
 
         x = take(n * h * act);
