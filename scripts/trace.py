@@ -1,9 +1,11 @@
 """Where does one Mega MoE call spend its time? Per-CTA %globaltimer stamps of each phase.
 
-    python scripts/trace.py [fmt hidden inter experts topk n ...]
+    python scripts/trace.py [--cold] [fmt hidden inter experts topk n ...]
 
 Prints, per phase, how many CTAs stamped it and the min / median / max time in microseconds after
 the first CTA started. Development aid (the kernel writes stamps only when a trace buffer is given).
+The traced call is the last of three; warm by default (weights may still sit in L2 from the call
+before), with --cold after the benchmark's L2 flush (256 MB written), as `deep_gemm.bench` times it.
 """
 import sys
 
@@ -17,17 +19,19 @@ SLOTS = ['start', 'counted', 'layout', 'pull end', 'L1 begin', 'L1 end', 'L2 beg
 NUM_SLOTS = _C.kTraceSlots   # per K-block stamps of the first L1 task: kTraceKbReady + kb, kTraceKbIssue + kb
 
 
-def trace_case(fmt, h, i, e, k, n, reps=3):
+def trace_case(fmt, h, i, e, k, n, reps=3, flush=None):
     w = mc.make_weights(fmt, h, i, e, 1, seed=0)
     (buf,) = mc.make_buffers(fmt, 1, e, max(n, 1), k, h, i)
     inputs = mc.make_inputs(fmt, [n], h, e, k, seed=1)
     buf._trace = torch.zeros(_C.get_num_sms() * NUM_SLOTS, dtype=torch.int64, device='cuda')
-    for _ in range(reps):   # the last call is traced warm
+    for r in range(reps):   # the last call is traced (after the flush when given)
         buf._trace.zero_()
+        if flush is not None and r == reps - 1:
+            flush()
         mc.run_ranks(w, inputs, [buf])
     t = buf._trace.view(-1, NUM_SLOTS).cpu()
     t0 = t[:, 0][t[:, 0] > 0].min()
-    print(f'--- {fmt} {h}/{i}/{e}/{k} n={n}')
+    print(f'--- {fmt} {h}/{i}/{e}/{k} n={n}' + (' (cold: L2 flushed)' if flush is not None else ''))
     for s, name in enumerate(SLOTS):
         col = t[:, s]
         col = col[col > 0].double()
@@ -58,13 +62,17 @@ def warm_up_gpu(seconds=1.0):
 
 if __name__ == '__main__':
     warm_up_gpu()
-    if len(sys.argv) > 1:
-        a = sys.argv[1:]
-        for c in range(0, len(a), 6):   # groups of: fmt hidden inter experts topk n
-            trace_case(a[c], *map(int, a[c + 1:c + 6]))
+    args = sys.argv[1:]
+    flush = None
+    if args and args[0] == '--cold':
+        from deep_gemm.testing.bench_utils import L2Flusher
+        flush, args = L2Flusher(torch.device('cuda')), args[1:]
+    if args:
+        for c in range(0, len(args), 6):   # groups of: fmt hidden inter experts topk n
+            trace_case(args[c], *map(int, args[c + 1:c + 6]), flush=flush)
     else:
         for fmt in ('fp8xfp8',):
-            trace_case(fmt, 2048, 768, 128, 8, 1)
-            trace_case(fmt, 4096, 2048, 256, 6, 1)
-            trace_case(fmt, 2048, 768, 128, 8, 128)
-            trace_case(fmt, 4096, 2048, 256, 6, 4096)
+            trace_case(fmt, 2048, 768, 128, 8, 1, flush=flush)
+            trace_case(fmt, 4096, 2048, 256, 6, 1, flush=flush)
+            trace_case(fmt, 2048, 768, 128, 8, 128, flush=flush)
+            trace_case(fmt, 4096, 2048, 256, 6, 4096, flush=flush)
