@@ -1,6 +1,6 @@
 """Time the fused kernel alone, for A/B comparisons of kernel changes within one device call.
 
-    python scripts/time_fused.py [--reps R] [--sys-scope] [--floor] fmt hidden inter experts topk n [fmt hidden ...]
+    python scripts/time_fused.py [--reps R] [--sys-scope] [--floor] [--flush write|read|none] fmt hidden inter experts topk n [fmt hidden ...]
 
 Per case: median of R CUDA-graph replays of one EP1 call (L2 flushed before each, as in
 `deep_gemm.bench`), no baseline. Run it twice per variant, interleaved (A B A B), with PYTHONPATH
@@ -9,6 +9,7 @@ same GPU, which separate calls (a fresh machine each) cannot. --sys-scope makes 
 its signals at system scope, as with peers on other GPUs (SymmBuffer.peers_on_this_gpu = False).
 --floor first times, the same way, a graph of one one-element kernel: what the method reports for a
 kernel that does nothing (graph launch, event pair, the first kernel after the flush).
+--flush read / none: a diagnostic flush that leaves L2 clean (bench_utils.L2Flusher) / no flush.
 """
 import argparse
 import os
@@ -25,6 +26,8 @@ def main() -> None:
     parser.add_argument('--reps', type=int, default=30)
     parser.add_argument('--sys-scope', action='store_true', help='system-scope signals, as with remote peers')
     parser.add_argument('--floor', action='store_true', help='also time a graph of one trivial kernel')
+    parser.add_argument('--flush', choices=('write', 'read', 'none'), default='write',
+                        help="L2 flush before each replay: the benchmark's memset (default), a read, or none")
     parser.add_argument('case', nargs='+', help='groups of: fmt hidden inter experts topk n')
     args = parser.parse_args()
     if len(args.case) % 6:
@@ -32,10 +35,12 @@ def main() -> None:
     for c in range(0, len(args.case), 6):
         if args.case[c] not in mega_api.MEGA_MOE_FUNCTIONS:
             parser.error(f'format {args.case[c]!r}: expected {" / ".join(mega_api.MEGA_MOE_FUNCTIONS)}')
-    flush = L2Flusher(torch.device('cuda'))
+    flush = None if args.flush == 'none' else L2Flusher(torch.device('cuda'), mode=args.flush)
     tag = os.path.dirname(os.path.dirname(os.path.abspath(mega_api.__file__)))
     # tuning aids set for this run (AB_ENVS in scripts/ab_run.sh) name the variant too
     tag += ''.join(f' {k}={v}' for k, v in sorted(os.environ.items()) if k.startswith('DG_MEGA_MOE_'))
+    if args.flush != 'write':
+        tag += f' flush={args.flush}'
     if args.floor:
         one = torch.ones(1, device='cuda')
         graph, _ = capture_graph(lambda: one.add_(1.0))

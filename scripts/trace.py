@@ -1,11 +1,12 @@
 """Where does one Mega MoE call spend its time? Per-CTA %globaltimer stamps of each phase.
 
-    python scripts/trace.py [--cold] [fmt hidden inter experts topk n ...]
+    python scripts/trace.py [--cold | --cold-read] [fmt hidden inter experts topk n ...]
 
 Prints, per phase, how many CTAs stamped it and the min / median / max time in microseconds after
 the first CTA started. Development aid (the kernel writes stamps only when a trace buffer is given).
 The traced call is the last of three; warm by default (weights may still sit in L2 from the call
-before), with --cold after the benchmark's L2 flush (256 MB written), as `deep_gemm.bench` times it.
+before), with --cold after the benchmark's L2 flush (256 MB written), as `deep_gemm.bench` times it,
+with --cold-read after a flush that leaves L2 clean (256 MB read).
 """
 import sys
 
@@ -31,7 +32,7 @@ def trace_case(fmt, h, i, e, k, n, reps=3, flush=None):
         mc.run_ranks(w, inputs, [buf])
     t = buf._trace.view(-1, NUM_SLOTS).cpu()
     t0 = t[:, 0][t[:, 0] > 0].min()
-    print(f'--- {fmt} {h}/{i}/{e}/{k} n={n}' + (' (cold: L2 flushed)' if flush is not None else ''))
+    print(f'--- {fmt} {h}/{i}/{e}/{k} n={n}' + (f' (cold: L2 flushed, {flush.mode})' if flush is not None else ''))
     for s, name in enumerate(SLOTS):
         col = t[:, s]
         col = col[col > 0].double()
@@ -64,9 +65,10 @@ if __name__ == '__main__':
     warm_up_gpu()
     args = sys.argv[1:]
     flush = None
-    if args and args[0] == '--cold':
+    if args and args[0] in ('--cold', '--cold-read'):
         from deep_gemm.testing.bench_utils import L2Flusher
-        flush, args = L2Flusher(torch.device('cuda')), args[1:]
+        flush = L2Flusher(torch.device('cuda'), mode='read' if args[0] == '--cold-read' else 'write')
+        args = args[1:]
     if args:
         for c in range(0, len(args), 6):   # groups of: fmt hidden inter experts topk n
             trace_case(args[c], *map(int, args[c + 1:c + 6]), flush=flush)

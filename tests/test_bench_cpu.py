@@ -434,3 +434,17 @@ def test_gpu_baseline_fp8_weights(requires_sm90):
     b.select(x_q, x_sf, idx, w)
     ref = reference_moe(dequant_per_token_fp8(x_q, x_sf), idx, w, d1, d2)
     assert b.mode != bu.GEMM_LOOP and calc_diff(b(x_q, x_sf, idx, w).float(), ref) < 1e-3
+
+
+def test_l2_flusher_modes():
+    # the benchmark's flush writes its buffer; the diagnostic 'read' mode only reads it
+    f = bu.L2Flusher(torch.device('cpu'), num_bytes=4096)
+    f.buffer.fill_(3)
+    f()
+    assert int(f.buffer.abs().sum()) == 0
+    r = bu.L2Flusher(torch.device('cpu'), num_bytes=4096, mode='read')
+    r.buffer.fill_(3)
+    r()
+    assert int(r.buffer.sum()) == 3 * 1024 and int(r.sink) == 3 * 1024
+    with pytest.raises(ValueError, match='mode'):
+        bu.L2Flusher(torch.device('cpu'), num_bytes=4096, mode='evict')

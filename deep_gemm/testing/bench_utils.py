@@ -139,13 +139,23 @@ def row_metrics(mma_type: str, shape: MoEShape, num_tokens: int, num_routed_pair
 # --------------------------------------------------------------------------------------------------
 
 class L2Flusher:
-    """Evicts L2 by zeroing a 256 MB buffer (one memset kernel, ~70 us on an H200)."""
+    """Evicts L2 by zeroing a 256 MB buffer (one memset kernel, ~70 us on an H200): the benchmark's
+    flush. It leaves L2 full of dirty lines, which the next kernel's first misses write back.
+    mode='read' sums the buffer instead (L2 left full of clean lines): a diagnostic, to tell the
+    cost of those write-backs from that of cold lines (scripts/time_fused.py --flush read)."""
 
-    def __init__(self, device: torch.device, num_bytes: int = L2_FLUSH_BYTES) -> None:
+    def __init__(self, device: torch.device, num_bytes: int = L2_FLUSH_BYTES, mode: str = 'write') -> None:
+        if mode not in ('write', 'read'):
+            raise ValueError(f"L2Flusher mode: expected 'write' or 'read', got {mode!r}")
+        self.mode = mode
         self.buffer = torch.empty(num_bytes // 4, dtype=torch.int32, device=device)
+        self.sink = torch.empty((), dtype=torch.int64, device=device)
 
     def __call__(self) -> None:
-        self.buffer.zero_()
+        if self.mode == 'write':
+            self.buffer.zero_()
+        else:
+            torch.sum(self.buffer, out=self.sink)
 
 
 @dataclasses.dataclass
