@@ -155,7 +155,7 @@ class L2Flusher:
         if self.mode == 'write':
             self.buffer.zero_()
         else:
-            torch.sum(self.buffer, out=self.sink)
+            torch.sum(self.buffer, dim=0, out=self.sink)
 
 
 @dataclasses.dataclass
