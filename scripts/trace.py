@@ -1,13 +1,15 @@
 """Where does one Mega MoE call spend its time? Per-CTA %globaltimer stamps of each phase.
 
-    python scripts/trace.py [--cold | --cold-read] [fmt hidden inter experts topk n ...]
+    python scripts/trace.py [--cold | --cold-read | --cold-code-warm] [fmt hidden inter experts topk n ...]
 
 Prints, per phase, how many CTAs stamped it and the min / median / max time in microseconds after
 the first CTA started. Development aid (the kernel writes stamps only when a trace buffer is given).
 The traced call is the last of three; warm by default (weights may still sit in L2 from the call
 before), with --cold after the benchmark's L2 flush (256 MB written), as `deep_gemm.bench` times it,
-with --cold-read after a flush that leaves L2 clean (256 MB read).
+with --cold-read after a flush that leaves L2 clean (256 MB read), with --cold-code-warm after the
+flush and one untraced call on experts the traced call does not use (its weights cold, the code warm).
 """
+import dataclasses
 import sys
 
 import torch
@@ -20,19 +22,36 @@ SLOTS = ['start', 'counted', 'layout', 'pull end', 'L1 begin', 'L1 end', 'L2 beg
 NUM_SLOTS = _C.kTraceSlots   # per K-block stamps of the first L1 task: kTraceKbReady + kb, kTraceKbIssue + kb
 
 
-def trace_case(fmt, h, i, e, k, n, reps=3, flush=None):
+def _other_experts(inputs, e):
+    """The same tokens routed to experts none of `inputs` uses (each id shifted by the same offset)."""
+    used = set(inputs.topk_idx[inputs.topk_idx >= 0].tolist())
+    for shift in range(1, e):
+        if not used & {(x + shift) % e for x in used}:
+            idx = torch.where(inputs.topk_idx >= 0, (inputs.topk_idx + shift) % e, inputs.topk_idx)
+            return dataclasses.replace(inputs, topk_idx=idx)
+    raise ValueError('no disjoint expert set: too many experts routed')
+
+
+def trace_case(fmt, h, i, e, k, n, reps=3, flush=None, code_warm=False):
     w = mc.make_weights(fmt, h, i, e, 1, seed=0)
     (buf,) = mc.make_buffers(fmt, 1, e, max(n, 1), k, h, i)
     inputs = mc.make_inputs(fmt, [n], h, e, k, seed=1)
+    # code_warm: after the flush, one untraced call on other experts, so the traced call finds the
+    # kernel's code and parameters in L2 but its own weights cold
+    other = _other_experts(inputs, e) if code_warm else None
     buf._trace = torch.zeros(_C.get_num_sms() * NUM_SLOTS, dtype=torch.int64, device='cuda')
     for r in range(reps):   # the last call is traced (after the flush when given)
         buf._trace.zero_()
         if flush is not None and r == reps - 1:
             flush()
+            if other is not None:
+                mc.run_ranks(w, [other], [buf])
+                buf._trace.zero_()
         mc.run_ranks(w, inputs, [buf])
     t = buf._trace.view(-1, NUM_SLOTS).cpu()
     t0 = t[:, 0][t[:, 0] > 0].min()
-    print(f'--- {fmt} {h}/{i}/{e}/{k} n={n}' + (f' (cold: L2 flushed, {flush.mode})' if flush is not None else ''))
+    print(f'--- {fmt} {h}/{i}/{e}/{k} n={n}' + (f' (cold: L2 flushed, {flush.mode}' + (', code warmed by a call on other experts)' if code_warm else ')')
+                                              if flush is not None else ''))
     for s, name in enumerate(SLOTS):
         col = t[:, s]
         col = col[col > 0].double()
@@ -65,13 +84,15 @@ if __name__ == '__main__':
     warm_up_gpu()
     args = sys.argv[1:]
     flush = None
-    if args and args[0] in ('--cold', '--cold-read'):
+    code_warm = False
+    if args and args[0] in ('--cold', '--cold-read', '--cold-code-warm'):
         from deep_gemm.testing.bench_utils import L2Flusher
         flush = L2Flusher(torch.device('cuda'), mode='read' if args[0] == '--cold-read' else 'write')
+        code_warm = args[0] == '--cold-code-warm'
         args = args[1:]
     if args:
         for c in range(0, len(args), 6):   # groups of: fmt hidden inter experts topk n
-            trace_case(args[c], *map(int, args[c + 1:c + 6]), flush=flush)
+            trace_case(args[c], *map(int, args[c + 1:c + 6]), flush=flush, code_warm=code_warm)
     else:
         for fmt in ('fp8xfp8',):
             trace_case(fmt, 2048, 768, 128, 8, 1, flush=flush)
