@@ -225,13 +225,14 @@ def test_l2_task_width_counts_one_ranks_tasks():
 # The kernel variant a call launches (the L2 width is a template argument: kernels of either width
 # exist side by side), with DG_MEGA_MOE_L2_BLOCK_N unset or set, in a fresh process (the launcher
 # reads the setting once per process)
-_VARIANT_SCRIPT = """
+# `_C.<argv[1]>(*args)` for each args of the JSON list argv[2] (a ValueError's text in its place)
+_CALLS_SCRIPT = """
 import json, sys
 from deep_gemm import _C
 out = []
-for args in json.loads(sys.argv[1]):
+for args in json.loads(sys.argv[2]):
     try:
-        out.append(_C.get_mega_moe_kernel_variant(*args))
+        out.append(getattr(_C, sys.argv[1])(*args))
     except ValueError as e:
         out.append(str(e))
 print(json.dumps(out))
@@ -248,7 +249,8 @@ _CASES = [_V4_FLASH_N1, _MID_N1, _MID_N4096, _ODD_H_N1, _V4_FP4_N1, _V4_BF16_N1]
 
 
 def _launched_variants(override, cases=_CASES):
-    return json.loads(_run_script(_VARIANT_SCRIPT, 'DG_MEGA_MOE_L2_BLOCK_N', override, json.dumps(cases)))
+    return json.loads(_run_script(_CALLS_SCRIPT, 'DG_MEGA_MOE_L2_BLOCK_N', override, 'get_mega_moe_kernel_variant',
+                                  json.dumps(cases)))
 
 
 @pytest.mark.parametrize('override, widths', [
@@ -284,17 +286,9 @@ def test_256_wide_l2_needs_block_m_64():
 
 # Split-K L1 cap per format (the kernel picks 1, 2 or 4 parts per call up to it), with
 # DG_MEGA_MOE_L1_SPLIT unset or set, in a fresh process (read once per process)
-_SPLIT_SCRIPT = """
-import json
-from deep_gemm import _C
-out = []
-for t in range(3):
-    try:
-        out.append(_C.get_mega_moe_l1_split_max(t))
-    except ValueError as e:
-        out.append(str(e))
-print(json.dumps(out))
-"""
+def _split_caps(override):
+    return json.loads(_run_script(_CALLS_SCRIPT, 'DG_MEGA_MOE_L1_SPLIT', override, 'get_mega_moe_l1_split_max',
+                                  json.dumps([[t] for t in range(3)])))
 
 
 @pytest.mark.parametrize('override, caps', [
@@ -304,12 +298,12 @@ print(json.dumps(out))
     ('4', {'fp8xfp4': 4, 'fp8xfp8': 4, 'bf16xbf16': 4}),
 ])
 def test_l1_split_cap_per_format(override, caps):
-    out = json.loads(_run_script(_SPLIT_SCRIPT, 'DG_MEGA_MOE_L1_SPLIT', override))
+    out = _split_caps(override)
     assert out == [caps[name] for name, _ in sorted(MMA_TYPES.items(), key=lambda kv: kv[1])]
 
 
 def test_launcher_rejects_a_bad_l1_split_setting():
-    out = json.loads(_run_script(_SPLIT_SCRIPT, 'DG_MEGA_MOE_L1_SPLIT', '3'))
+    out = _split_caps('3')
     assert all('DG_MEGA_MOE_L1_SPLIT' in o and "'3'" in o for o in out), out
     with pytest.raises(ValueError, match='mma_type'):
         _C.get_mega_moe_l1_split_max(3)

@@ -32,9 +32,7 @@ inline pybind11::dict config_to_dict(const MegaMoEConfig& c) {
 
 inline MegaMoEConfig config_from_args(int mma_type, int num_ranks, int num_experts, int num_topk, int hidden,
                                       int intermediate_hidden, int num_tokens, int num_sms, int max_smem_bytes) {
-    if (mma_type < 0 or mma_type > 2)
-        throw_invalid_config_arg("mma_type", mma_type, "0 (fp8xfp4), 1 (fp8xfp8) or 2 (bf16xbf16)");
-    return get_mega_moe_config(static_cast<MmaType>(mma_type), num_ranks, num_experts, num_topk, hidden,
+    return get_mega_moe_config(mega_moe_mma_type(mma_type), num_ranks, num_experts, num_topk, hidden,
                                intermediate_hidden, num_tokens, num_sms, max_smem_bytes);
 }
 

@@ -78,9 +78,7 @@ inline void register_apis(py::module_& m) {
     m.def("prepare_mega_moe",
           [](int mma_type, int num_ranks, int num_experts, int num_topk, int hidden, int intermediate_hidden,
              int num_tokens, int num_sms, int max_smem_bytes, bool fast_math, bool load) {
-              if (mma_type < 0 or mma_type > 2)
-                  throw std::invalid_argument("mma_type: expected 0 (fp8xfp4), 1 (fp8xfp8) or 2 (bf16xbf16)");
-              return jit_kernels::prepare_sm90_mega_moe(static_cast<MmaType>(mma_type), num_ranks, num_experts, num_topk,
+              return jit_kernels::prepare_sm90_mega_moe(mega_moe_mma_type(mma_type), num_ranks, num_experts, num_topk,
                                                         hidden, intermediate_hidden, num_tokens, num_sms, max_smem_bytes,
                                                         fast_math, load);
           },
@@ -102,9 +100,7 @@ inline void register_apis(py::module_& m) {
 
     m.def("get_mega_moe_l1_split_max",
           [](int mma_type) {
-              if (mma_type < 0 or mma_type > 2)
-                  throw std::invalid_argument("mma_type: expected 0 (fp8xfp4), 1 (fp8xfp8) or 2 (bf16xbf16)");
-              return jit_kernels::mega_moe_l1_split_max(static_cast<MmaType>(mma_type));
+              return jit_kernels::mega_moe_l1_split_max(mega_moe_mma_type(mma_type));
           },
           py::arg("mma_type"),
           "Most K parts of a split-K L1 tile the launcher allows for this format (DG_MEGA_MOE_L1_SPLIT or\n"
@@ -113,10 +109,8 @@ inline void register_apis(py::module_& m) {
     m.def("get_mega_moe_kernel_variant",
           [](int mma_type, int num_ranks, int num_experts, int num_topk, int hidden, int intermediate_hidden,
              int num_tokens, int num_sms, int max_smem_bytes, bool fast_math) {
-              if (mma_type < 0 or mma_type > 2)
-                  throw std::invalid_argument("mma_type: expected 0 (fp8xfp4), 1 (fp8xfp8) or 2 (bf16xbf16)");
               const auto [config, v] = jit_kernels::select_sm90_mega_moe_variant(
-                  static_cast<MmaType>(mma_type), num_ranks, num_experts, num_topk, hidden, intermediate_hidden,
+                  mega_moe_mma_type(mma_type), num_ranks, num_experts, num_topk, hidden, intermediate_hidden,
                   num_tokens, num_sms, max_smem_bytes, fast_math);
               py::dict d;
               d["name"] = v.name();

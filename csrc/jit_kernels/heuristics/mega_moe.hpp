@@ -77,6 +77,13 @@ struct MegaMoEConfig {
     throw std::invalid_argument(os.str());
 }
 
+// The integer of `deep_gemm._C` calls as the enum (0 fp8xfp4, 1 fp8xfp8, 2 bf16xbf16), rejecting anything else
+inline MmaType mega_moe_mma_type(int mma_type) {
+    if (mma_type < static_cast<int>(MmaType::kFP8xFP4) or mma_type > static_cast<int>(MmaType::kBF16xBF16))
+        throw_invalid_config_arg("mma_type", mma_type, "0 (fp8xfp4), 1 (fp8xfp8) or 2 (bf16xbf16)");
+    return static_cast<MmaType>(mma_type);
+}
+
 // `num_expected_tokens_per_rank` is the caller's `n` (tokens this call), `num_sms` the SMs the
 // persistent grid may use (not necessarily the whole GPU), `max_smem_bytes` the opt-in shared memory
 // of one block (232448 on H100/H200).

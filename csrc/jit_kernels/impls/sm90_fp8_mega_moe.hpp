@@ -5,6 +5,7 @@
 // handful of variants (format x BLOCK_M x stages x fast math x L2 task width) cover every model.
 
 #include <cmath>
+#include <initializer_list>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -103,14 +104,21 @@ inline CUtensorMap make_kmajor_tma(int64_t ptr, CUtensorMapDataType dtype, uint6
 // The L2 task width a call launches: the heuristic's, or the tuning aid DG_MEGA_MOE_L2_BLOCK_N = 128
 // or 256 (docs/KERNEL.md; read once per process), which picks the kernel variant of that width
 // where there is one (256: BLOCK_M 64 only) and the hidden size is whole tasks of it
+// A tuning aid's value: one of `allowed` (as written), -1 when unset; anything else raises
+inline int read_env_choice(const char* name, std::initializer_list<const char*> allowed) {
+    const std::string v = jit::get_env(name);
+    if (v.empty()) return -1;
+    std::string expected;
+    for (const char* a : allowed) {
+        if (v == a) return std::stoi(v);
+        expected += (expected.empty() ? "" : ", ") + std::string(a);
+    }
+    jit::raise_invalid_argument(name, ": expected one of ", expected, ", got '", v, "'");
+    return -1;
+}
+
 inline int select_mega_moe_l2_block_n(const MegaMoEConfig& config, int hidden) {
-    static const int l2_block_n_override = [] {
-        const std::string v = jit::get_env("DG_MEGA_MOE_L2_BLOCK_N");
-        if (v.empty()) return 0;
-        if (v != "128" and v != "256")
-            jit::raise_invalid_argument("DG_MEGA_MOE_L2_BLOCK_N: expected 128 or 256, got '", v, "'");
-        return std::stoi(v);
-    }();
+    static const int l2_block_n_override = read_env_choice("DG_MEGA_MOE_L2_BLOCK_N", {"128", "256"});
     const int width = l2_block_n_override > 0 ? l2_block_n_override : config.block_n_l2;
     return mega_moe_l2_block_n_ok(config.block_m, width) and hidden % width == 0 ? width : kMegaMoEBlockNL2;
 }
@@ -145,15 +153,8 @@ inline std::string prepare_sm90_mega_moe(MmaType mma_type, int num_ranks, int nu
 // Most K parts of a split-K L1 tile this process launches with: DG_MEGA_MOE_L1_SPLIT (tuning aid:
 // 0 or 1 never split, 2, 4; read once) or else the heuristic's per-format cap
 inline int mega_moe_l1_split_max(MmaType mma_type) {
-    static const int override_max = [] {
-        const std::string v = jit::get_env("DG_MEGA_MOE_L1_SPLIT");
-        if (v.empty()) return -1;
-        if (v == "0" or v == "1") return 1;
-        if (v == "2" or v == "4") return std::stoi(v);
-        jit::raise_invalid_argument("DG_MEGA_MOE_L1_SPLIT: expected 0, 1, 2 or 4, got '", v, "'");
-        return -1;
-    }();
-    return override_max > 0 ? override_max : get_mega_moe_l1_split_max(mma_type);
+    static const int override_max = read_env_choice("DG_MEGA_MOE_L1_SPLIT", {"0", "1", "2", "4"});
+    return override_max >= 0 ? max_of(override_max, 1) : get_mega_moe_l1_split_max(mma_type);
 }
 
 inline MegaMoEConfig launch_sm90_mega_moe(const SM90MegaMoEArgs& a) {

@@ -136,8 +136,8 @@ struct MegaMoEParams {
     // Every rank's buffer is on this GPU (EP1, virtual ranks): the cross-rank signals (counts,
     // combine rows and flags) need gpu scope only; else sys scope (peers over NVLink)
     int peers_on_this_gpu;
-    // Most K parts per split-K L1 tile (DG_MEGA_MOE_L1_SPLIT, default 4; 1 = never split): the
-    // kernel picks 1, 2 or 4 per call when every L1 tile is narrow (docs/KERNEL.md)
+    // Most K parts per split-K L1 tile (DG_MEGA_MOE_L1_SPLIT, else the heuristic's cap per format;
+    // 1 = never split): the kernel picks 1, 2 or 4 per call when every L1 tile is narrow (docs/KERNEL.md)
     int l1_split_max;
 };
 
