@@ -163,10 +163,32 @@ def kernel_byte(j):
     return 16 * q + 4 * ks + 2 * hi + b
 
 
+def sign_source_bit(bit):
+    # Which bit of a word in fragment order (nibble n < 4: element n of K [0, 4), else element n - 4
+    # of K [16, 20); sign in bit 3 of each nibble) the kernel word's bit `bit` holds, written out here
+    # from the definition: magnitude bits stay, the sign of element j of K [0, 4) (bit 4 j + 3) moves
+    # to 8 j + 7, that of K [16, 20) (bit 16 + 4 j + 3) to 8 j + 3
+    if bit % 4 != 3:
+        return bit
+    j = bit // 8
+    return 4 * j + 3 if bit % 8 == 7 else 16 + 4 * j + 3
+
+
+def unplace_signs_bytes(t):
+    # uint8 [..., 4 m] kernel words (little-endian) -> the same words in fragment order, bit by bit
+    bits = (t.reshape(*t.shape[:-1], -1, 4, 1) >> torch.arange(8, dtype=torch.uint8)) & 1   # [..., words, 4 bytes, 8 bits]
+    bits = bits.reshape(*t.shape[:-1], -1, 32)
+    inverse = [0] * 32
+    for bit in range(32):
+        inverse[sign_source_bit(bit)] = bit
+    bits = bits[..., inverse].reshape(*t.shape[:-1], -1, 4, 8)
+    return (bits << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8).reshape(t.shape)
+
+
 def unblock_packed(t):
     # Kernel-format packed codes [E, N/128, K/128, 8192] -> row-major [E, N, K/2]
     e, nb, kb, _ = t.shape
-    rows = t.reshape(e, nb, kb, 128, 64)[..., [kernel_byte(j) for j in range(64)]]
+    rows = unplace_signs_bytes(t.reshape(e, nb, kb, 128, 64))[..., [kernel_byte(j) for j in range(64)]]
     return rows.permute(0, 1, 3, 2, 4).reshape(e, nb * 128, kb * 64)
 
 
@@ -186,11 +208,12 @@ def test_fp4_format_and_round_trip():
         assert t[1].dtype == torch.uint8 and t[1].shape == (E, n // 128, k // 128, 512) and int(t[1].max()) <= 14
         assert t[2].dtype == torch.float32 and t[2].shape == (E, n // 128, k // 128)
         assert all(x.is_contiguous() for x in t)
-    # Packed codes: byte r * 64 + kernel_byte(j) of block (e, nb, kb) is byte kb * 64 + j of row nb * 128 + r
-    # (j = 7: ks 0, hi 0, q 3, b 1 -> 49; j = 63 stays; j = 22: ks 1, hi 0, q 3, b 0 -> 52)
-    assert t2[0][1, 2, 1, 5 * 64 + 49] == l2[0][1, 2 * 128 + 5, 64 + 7]
-    assert t2[0][0, 0, 1, 127 * 64 + 63] == l2[0][0, 127, 64 + 63]
-    assert t2[0][0, 1, 0, 3 * 64 + 52] == l2[0][0, 128 + 3, 22]
+    # Packed codes: byte r * 64 + kernel_byte(j) of block (e, nb, kb) holds the magnitudes of byte
+    # kb * 64 + j of row nb * 128 + r (j = 7: ks 0, hi 0, q 3, b 1 -> 49; j = 63 stays; j = 22: ks 1,
+    # hi 0, q 3, b 0 -> 52), its sign bits moved within the word (sign_source_bit)
+    assert t2[0][1, 2, 1, 5 * 64 + 49] & 0x77 == l2[0][1, 2 * 128 + 5, 64 + 7] & 0x77
+    assert t2[0][0, 0, 1, 127 * 64 + 63] & 0x77 == l2[0][0, 127, 64 + 63] & 0x77
+    assert t2[0][0, 1, 0, 3 * 64 + 52] & 0x77 == l2[0][0, 128 + 3, 22] & 0x77
     assert_interleaved(l1[0], unblock_packed(t1[0]), 128)
     assert_same(unblock_packed(t2[0]), l2[0])
     r1, r2 = inverse_transform_weights_for_mega_moe(t1, t2)
@@ -432,6 +455,19 @@ def test_fp4_packed_byte_permutation_matches_the_kernel_header():
         fp4_packed_byte_position(64)
 
 
+def test_fp4_sign_bits_match_the_kernel_header():
+    from deep_gemm import _C
+    from deep_gemm.mega import fp4_sign_bit_position
+    positions = [[fp4_sign_bit_position(hi, j) for j in range(4)] for hi in range(2)]
+    assert [list(row) for row in _C.kMegaMoEFP4SignBit] == positions
+    # the definition written out (sign_source_bit): the sign of element j of half hi, bit 16 hi + 4 j + 3
+    assert all(sign_source_bit(positions[hi][j]) == 16 * hi + 4 * j + 3 for hi in range(2) for j in range(4))
+    # one bit each: with the 24 magnitude bits they fill the word
+    assert len({p for row in positions for p in row} | {b for b in range(32) if b % 4 != 3}) == 32
+    with pytest.raises(ValueError, match='hi'):
+        fp4_sign_bit_position(2, 0)
+
+
 def test_fp4_permutation_puts_fragment_codes_in_one_chunk():
     # SM90 wgmma m64nNk32 E4M3, A from registers: for K step ks, register i of the thread with
     # q = lane % 4 holds K elements 32 ks + 4 q + 16 (i // 2) + [0, 4), lowest K in the lowest byte
@@ -439,7 +475,8 @@ def test_fp4_permutation_puts_fragment_codes_in_one_chunk():
     from deep_gemm.mega.transform import _packed_to_kernel_blocks
     # One row of 2 K-blocks whose packed byte j holds j: a kernel byte then names its source byte
     w = torch.arange(128, dtype=torch.uint8).reshape(1, 1, 128).repeat(1, 128, 1)
-    kernel = _packed_to_kernel_blocks(w)[0, 0]              # [K-blocks, 8192]
+    # (the signs moved within each word put back first: this is about where the bytes go)
+    kernel = unplace_signs_bytes(_packed_to_kernel_blocks(w))[0, 0]              # [K-blocks, 8192]
     for kb in range(2):
         row = kernel[kb, 5 * 64:6 * 64].tolist()              # row 5 of the block
         for q in range(4):
@@ -471,11 +508,11 @@ def _prmt(a, b, sel):
 
 
 def _expand_e2m1x8(codes, mag_x, mag_y):
-    # The kernel's expand_e2m1x8: 8 codes -> E4M3 bytes of K [0, 4) and [16, 20) of a fragment pair
-    m = codes & 0x77777777
-    sgn_lo, sgn_hi = _prmt(0x80808080, 0x80808080, codes), _prmt(0x80808080, 0x80808080, codes >> 16)
-    return (_prmt(mag_x, mag_y, m) | ((sgn_lo << 1) & 0x80808080),
-            _prmt(mag_x, mag_y, m >> 16) | ((sgn_hi << 1) & 0x80808080))
+    # The kernel's expand_e2m1x8: 8 codes (signs placed by the transform) -> E4M3 bytes of K [0, 4)
+    # and [16, 20) of a fragment pair
+    sel = codes & 0x77777777
+    return (_prmt(mag_x, mag_y, sel) | (codes & 0x80808080),
+            _prmt(mag_x, mag_y, sel >> 16) | ((codes << 4) & 0x80808080))
 
 
 def _kernel_layout_case(seed):

@@ -191,6 +191,13 @@ inline void register_apis(pybind11::module_& m) {
     py::list fp4_packed_byte;     // [k_byte] -> byte of the row's permuted 64 (transform.py must agree)
     for (int j = 0; j < kMegaMoEPackedRowBytes; ++j) fp4_packed_byte.append(mega_moe_fp4_packed_byte(j));
     m.attr("kMegaMoEFP4PackedByte") = py::tuple(fp4_packed_byte);
+    py::list fp4_sign_bit;        // [hi][j] -> word bit of the sign of element j of K half hi (transform.py must agree)
+    for (int hi = 0; hi < 2; ++hi) {
+        py::list row;
+        for (int j = 0; j < 4; ++j) row.append(mega_moe_fp4_sign_bit(hi, j));
+        fp4_sign_bit.append(py::tuple(row));
+    }
+    m.attr("kMegaMoEFP4SignBit") = py::tuple(fp4_sign_bit);
     m.attr("kTraceSlots") = static_cast<int>(kTraceSlots);
     m.attr("kTraceKbReady") = static_cast<int>(kTraceKbReady);
     m.attr("kTraceKbIssue") = static_cast<int>(kTraceKbIssue);

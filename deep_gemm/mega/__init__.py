@@ -8,7 +8,7 @@
 from .api import bf16_mega_moe, fp8_fp4_mega_moe, fp8_mega_moe
 from .buffer import (MMA_TYPES, SymmBuffer, get_mega_moe_layout, get_symm_buffer_for_mega_moe,
                      get_symm_buffer_size_for_mega_moe, mma_type_to_int)
-from .transform import (dequant_mega_moe_fp4, fp4_expansion_table, fp4_packed_byte_position,
+from .transform import (dequant_mega_moe_fp4, fp4_expansion_table, fp4_packed_byte_position, fp4_sign_bit_position,
                         inverse_transform_weights_for_mega_moe, mxfp4_transform_error, transform_weights_for_mega_moe)
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     'dequant_mega_moe_fp4',
     'fp4_expansion_table',
     'fp4_packed_byte_position',
+    'fp4_sign_bit_position',
     'fp8_fp4_mega_moe',
     'fp8_mega_moe',
     'get_mega_moe_layout',

@@ -238,8 +238,9 @@ def _fill_docs() -> None:
     docs = {
         fp8_fp4_mega_moe: dict(kind='fp8xfp4', sf=' (float8_e4m3fn)' + fp8_sf,
                                l1='(w uint8 [E, 2I/128, H/128, 8192] packed E2M1 (one 8 KB block per 128x128 '
-                                  'weight block, bytes r * 64 .. r * 64 + 63 = row r of its K-block, permuted: see '
-                                  'deep_gemm.mega.fp4_packed_byte_position), delta uint8 '
+                                  'weight block, bytes r * 64 .. r * 64 + 63 = row r of its K-block, permuted, signs moved within '
+                                  'each 32-bit word: see deep_gemm.mega.fp4_packed_byte_position and '
+                                  'fp4_sign_bit_position), delta uint8 '
                                   '[E, 2I/128, H/128, 512] (one 512-byte block per 128x128 weight block, byte '
                                   'r * 4 + g = row r, 32-group g), block_scale float32 [E, 2I/128, H/128]),',
                                l2='(w uint8 [E, H/128, I/128, 8192], delta uint8 [E, H/128, I/128, 512], '

@@ -35,9 +35,14 @@ weight block, so the kernel streams a K-block of 128 rows as one contiguous copy
 of 64 bytes K/2 bytes apart. Row r of the block owns bytes r * 64 .. r * 64 + 63, which hold its 64
 packed bytes of the K-block permuted: byte j = 16 ks + 8 hi + 2 q + b of the K-block (elements 2j,
 2j + 1 in the low, high nibble; ks, q in 0..3, hi, b in 0..1) is stored at 16 q + 4 ks + 2 hi + b
-(`fp4_packed_byte_position`). Nibble order within a byte is unchanged. So
-w[e, nb, kb, r * 64 + 16 q + 4 ks + 2 hi + b] is byte kb * 64 + 16 ks + 8 hi + 2 q + b of row
-nb * 128 + r of the checkpoint-order [E, N, K/2] (after the l1 interleave).
+(`fp4_packed_byte_position`). Nibble order within a byte is unchanged. So the magnitudes (bits 0-2
+of each nibble) of w[e, nb, kb, r * 64 + 16 q + 4 ks + 2 hi + b] are those of byte
+kb * 64 + 16 ks + 8 hi + 2 q + b of row nb * 128 + r of the checkpoint-order [E, N, K/2] (after the
+l1 interleave). The sign bits (bit 3 of each nibble) are then moved within each little-endian 32-bit
+word (4 bytes 16 q + 4 ks + [0, 4): nibbles 0-3 are elements K 32 ks + 4 q + [0, 4), nibbles 4-7
+the same + 16, see below): the sign of element j of the low half goes to bit 8 j + 7 (the sign bit
+of the E4M3 byte it becomes), that of element j of the high half to bit 8 j + 3
+(`fp4_sign_bit_position`), so the kernel expands a word with 7 instructions.
 
 Why: on SM90 the 32-wide K step ks of a wgmma A fragment (E4M3, A in registers) gives the thread with
 lane % 4 = q the elements 32 ks + 4 q + [0, 4) and 32 ks + 16 + 4 q + [0, 4) of its rows. After the
@@ -214,18 +219,54 @@ def _unpermute_packed_rows(blocks: torch.Tensor) -> torch.Tensor:
     return blocks.reshape(*blocks.shape[:-1], 4, 4, 2, 2).movedim(-4, -2).reshape(blocks.shape)
 
 
+def fp4_sign_bit_position(hi: int, j: int) -> int:
+    """Bit of a kernel-layout 32-bit code word that holds the sign of element j (0..3) of the word's
+    K [0, 4) (hi = 0) or K [16, 20) (hi = 1) elements: 8 j + 7 or 8 j + 3 (module docstring). The
+    kernel header's `mega_moe_fp4_sign_bit` is the same map (`deep_gemm._C.kMegaMoEFP4SignBit`, tested)."""
+    if hi not in (0, 1) or not 0 <= j < 4:
+        raise ValueError(f'expected hi in (0, 1) and j in [0, 4), got hi={hi}, j={j}')
+    return 8 * j + (3 if hi else 7)
+
+
+def _place_signs(words: torch.Tensor) -> torch.Tensor:
+    """int32 words of 8 codes in fragment order (nibble j < 4: element j of K [0, 4), nibble 4 + j:
+    element j of K [16, 20); sign in bit 3) -> the kernel's word: the same magnitudes (bits 0-2 of
+    each nibble), the sign of element j of K [0, 4) at bit 8 j + 7 and that of K [16, 20) at bit
+    8 j + 3 (module docstring)."""
+    out = words & 0x77777777
+    for hi in range(2):
+        for j in range(4):
+            out |= ((words >> (16 * hi + 4 * j + 3)) & 1) << fp4_sign_bit_position(hi, j)
+    return out
+
+
+def _unplace_signs(words: torch.Tensor) -> torch.Tensor:
+    """Inverse of `_place_signs`."""
+    out = words & 0x77777777
+    for hi in range(2):
+        for j in range(4):
+            out |= ((words >> fp4_sign_bit_position(hi, j)) & 1) << (16 * hi + 4 * j + 3)
+    return out
+
+
+def _map_words(blocks: torch.Tensor, fn) -> torch.Tensor:
+    """Apply `fn` to the little-endian 32-bit words of uint8 `blocks` (last dim a multiple of 4)."""
+    return fn(blocks.contiguous().view(torch.int32)).view(torch.uint8)
+
+
 def _packed_to_kernel_blocks(w: torch.Tensor) -> torch.Tensor:
     """Row-major packed E2M1 [E, N, K/2] -> the kernel's [E, N/128, K/128, 8192] (module docstring):
-    blocked, each row's 64 bytes of a K-block permuted."""
+    blocked, each row's 64 bytes of a K-block permuted, the signs of each word placed."""
     e, n, half_k = w.shape
-    blocks = _permute_packed_rows(_blocks(w, FP4_PACKED_ROW_BYTES))   # [E, NB, KB, 128, 64]
+    blocks = _map_words(_permute_packed_rows(_blocks(w, FP4_PACKED_ROW_BYTES)), _place_signs)   # [E, NB, KB, 128, 64]
     return blocks.reshape(e, n // WEIGHT_BLOCK, half_k * 2 // WEIGHT_BLOCK, FP4_PACKED_BLOCK_BYTES).contiguous()
 
 
 def _packed_from_kernel_blocks(w: torch.Tensor) -> torch.Tensor:
     """Inverse of `_packed_to_kernel_blocks`: [E, N/128, K/128, 8192] -> [E, N, K/2]."""
     e, nb, kb, _ = w.shape
-    return _unblocks(_unpermute_packed_rows(w.reshape(e, nb, kb, WEIGHT_BLOCK, FP4_PACKED_ROW_BYTES))).contiguous()
+    rows = _map_words(w.reshape(e, nb, kb, WEIGHT_BLOCK, FP4_PACKED_ROW_BYTES), _unplace_signs)
+    return _unblocks(_unpermute_packed_rows(rows)).contiguous()
 
 
 def _unpack_e2m1_codes(packed: torch.Tensor) -> torch.Tensor:

@@ -65,6 +65,13 @@ DG_HOST_DEVICE constexpr int mega_moe_fp4_packed_byte(int k_byte) {
     const int ks = k_byte / 16, hi = k_byte / 8 % 2, q = k_byte / 2 % 4, b = k_byte % 2;
     return kMegaMoEFP4ChunkBytes * q + 4 * ks + 2 * hi + b;
 }
+// Within each 32-bit word the transform also moves the signs (bit 3 of each code) to where the
+// expansion needs them: nibble n keeps the magnitude (bits 0-2) of the code it held (n < 4: element
+// n of K [0, 4) of the word's fragment pair, n >= 4: element n - 4 of K [16, 20)), and bit 3 of
+// nibble n holds a sign: nibble 2 j + 1 that of element j of K [0, 4) (word bit 8 j + 7, the sign
+// bit of the E4M3 byte it becomes), nibble 2 j that of element j of K [16, 20) (bit 8 j + 3, four
+// below its E4M3 byte's sign bit). The word bit of the sign of element j of half `hi`:
+DG_HOST_DEVICE constexpr int mega_moe_fp4_sign_bit(int hi, int j) { return 8 * j + (hi ? 3 : 7); }
 DG_HOST_DEVICE constexpr int mega_moe_stage_b_bytes(MmaType t) {
     return t == MmaType::kFP8xFP4 ? kMegaMoEBlockNL1 * kMegaMoEPackedRowBytes : kMegaMoEBlockNL1 * 128;
 }

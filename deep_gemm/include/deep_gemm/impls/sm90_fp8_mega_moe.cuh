@@ -889,8 +889,9 @@ struct Kernel {
     // the magnitude fp4_table[d][c & 7] with c's sign bit as bit 7 (E4M3 is sign-magnitude); the rest
     // of the scale (2^(base - 133)) is the FP32 block scale applied at promotion. The packed codes
     // are permuted within each row and K-block (mega_moe_fp4_packed_byte): word ks of the row's
-    // 16-byte chunk q holds the 8 codes of one wgmma fragment pair, K 32 ks + 4 q + [0, 4) (low 16
-    // bits) and K 32 ks + 16 + 4 q + [0, 4) (high 16 bits), all of delta group ks.
+    // 16-byte chunk q holds the 8 codes of one wgmma fragment pair, K 32 ks + 4 q + [0, 4) (magnitudes
+    // in the low 16 bits) and K 32 ks + 16 + 4 q + [0, 4) (high 16 bits), all of delta group ks, with
+    // the signs placed for the expansion (mega_moe_fp4_sign_bit).
     static constexpr bool fp4_chunks_hold_fragments() {
         for (int ks = 0; ks < 4; ++ks)
             for (int hi = 0; hi < 2; ++hi)
@@ -899,19 +900,25 @@ struct Kernel {
                         if (mega_moe_fp4_packed_byte(16 * ks + 8 * hi + 2 * q + b) != kMegaMoEFP4ChunkBytes * q + 4 * ks + 2 * hi + b) return false;
         return true;
     }
+    static constexpr bool fp4_signs_where_expanded() {
+        for (int j = 0; j < 4; ++j)
+            if (mega_moe_fp4_sign_bit(0, j) != 8 * j + 7 or mega_moe_fp4_sign_bit(1, j) + 4 != 8 * j + 7) return false;
+        return true;
+    }
+    static_assert(fp4_signs_where_expanded(), "expand_e2m1x8 takes .x's signs in place and .y's shifted up by 4");
     static_assert(not kFP4 or (fp4_chunks_hold_fragments() and kMegaMoEFP4ChunkBytes * 4 == kMegaMoEPackedRowBytes and
                                mma::kWgmmaStepsPerKBlock == 4 and BLOCK_K / mma::kWgmmaStepsPerKBlock == 32),
                   "chunk q = lane % 4 of a row, word ks = K step ks = 32-wide delta group ks: the layout the loads below assume");
 
-    // 8 codes (one 32-bit word of a chunk) -> E4M3 bytes of K [0, 4) (.x, from the low 16 bits) and
-    // K [16, 20) (.y) of the fragment pair, with `mag` the table row of their group's delta
+    // 8 codes (one 32-bit word of a chunk) -> E4M3 bytes of K [0, 4) (.x, magnitudes from nibbles 0-3)
+    // and K [16, 20) (.y, nibbles 4-7) of the fragment pair, with `mag` the table row of their group's
+    // delta. The transform placed the signs (mega_moe_fp4_sign_bit): .x's at bits 8 j + 7, where E4M3
+    // keeps its sign, .y's at bits 8 j + 3, four places below; bit 3 of every nibble is a sign, so
+    // it is masked out of the prmt selectors (it would select prmt's sign-replicate mode)
     __device__ __forceinline__ static uint2 expand_e2m1x8(uint32_t codes, uint2 mag) {
-        const uint32_t m = codes & 0x77777777u;
-        // magnitudes by the 3 low bits; the sign by prmt's sign-replicate mode on bytes 0x80:
-        // 0x80 for a positive code, 0xFF for a negative one, whose bit 6 shifted to bit 7 is the sign
-        const uint32_t sgn_lo = prmt(0x80808080u, 0x80808080u, codes), sgn_hi = prmt(0x80808080u, 0x80808080u, codes >> 16);
-        return make_uint2(prmt(mag.x, mag.y, m) | ((sgn_lo << 1) & 0x80808080u),
-                          prmt(mag.x, mag.y, m >> 16) | ((sgn_hi << 1) & 0x80808080u));
+        const uint32_t sel = codes & 0x77777777u;
+        return make_uint2(prmt(mag.x, mag.y, sel) | (codes & 0x80808080u),
+                          prmt(mag.x, mag.y, sel >> 16) | ((codes << 4) & 0x80808080u));
     }
     // The table row (E4M3 magnitudes of codes 0..7) of group g's delta in a row's delta word
     __device__ __forceinline__ uint2 fp4_magnitudes(uint32_t deltas, int g) const {
@@ -920,8 +927,9 @@ struct Kernel {
     }
 
     // Wide tiles: expand the stage's packed B tile into the E4M3 tile the wgmma reads
-    // (sm.expanded_b, one for all stages: every math thread passes the next stage's wait barrier
-    // only after its wgmma on this tile completed), in the 128B-swizzled K-major layout that TMA
+    // (sm.expanded_b, one for all stages: a barrier of all math threads before the first store, so
+    // that no warpgroup overwrites the tile while the other's wgmma of the K-block before still
+    // reads it, and one after the last), in the 128B-swizzled K-major layout that TMA
     // would have produced, so the FP8 wgmma path runs unchanged. A warp takes 8-row groups
     // warp, warp + 8, ...; lane l loads chunk l % 4 of row l / 4 (the warp's 32 lanes read the
     // group's 512 contiguous bytes: no bank conflicts) and expands it into 8 words, word (ks, hi) =
@@ -960,6 +968,9 @@ struct Kernel {
             uint2 e[mma::kWgmmaStepsPerKBlock];
             #pragma unroll
             for (int ks = 0; ks < mma::kWgmmaStepsPerKBlock; ++ks) e[ks] = expand_e2m1x8(word_of(codes[u], ks), fp4_magnitudes(d4[u], ks));
+            // Before the first store: every math thread's wgmma on the tile's previous contents is
+            // complete (each waited for its own; the other warpgroup's may still be reading it)
+            if (u == 0) named_barrier(kBarrierMathAll, kNumMathThreads);
             const uint32_t group = u * kGroupStride / 8 * 1024;
             stmatrix_x4(out + group, e[0].x, e[0].y, e[1].x, e[1].y);
             stmatrix_x4((out ^ 64) + group, e[2].x, e[2].y, e[3].x, e[3].y);
