@@ -96,6 +96,22 @@ def test_h200_stage_counts():
         assert config(mma_type, num_tokens=8192)['num_stages'] == (4 if fp4 else 3)
 
 
+def test_weight_prefetch_stages():
+    # FP8 x FP4 decode (block_m 64) streams 3 weight stages ahead of its inputs (measured, docs/PERF.md
+    # session 9); prefill and the other formats all of their stages
+    for mma_type in MMA_TYPES:
+        for n in (1, 8, 128, 8192):
+            c = config(mma_type, num_tokens=n)
+            expected = min(3, c['num_stages']) if mma_type == 'fp8xfp4' and c['block_m'] == 64 else c['num_stages']
+            assert c['num_prefetch_stages'] == expected, (mma_type, n, c)
+            assert f"num_prefetch_stages={expected}" in c['description']
+    assert config('fp8xfp4', num_tokens=1)['num_prefetch_stages'] == 3
+    assert config('fp8xfp4', num_tokens=8192)['num_prefetch_stages'] == 4
+    # fewer stages than the cap: all of them
+    small = config('fp8xfp4', num_tokens=1, max_smem_bytes=expected_smem('fp8xfp4', 64, 2))
+    assert small['num_stages'] == small['num_prefetch_stages'] == 2
+
+
 def test_stages_are_capped_at_8():
     c = config(num_tokens=1, max_smem_bytes=1 << 20)
     assert c['num_stages'] == 8

@@ -32,6 +32,8 @@ constexpr int kWarpgroupBlockM = 64;
 // Pipelines shallower than this cannot overlap TMA with WGMMA; deeper ones stop paying off
 constexpr int kMinStages = 2;
 constexpr int kMaxStages = 8;
+// Weight stages an FP8 x FP4 decode task (block_m 64) streams before its inputs are ready
+constexpr int kFP4DecodePrefetchStages = 3;
 // Opt-in shared memory per block on every Hopper part the kernel targets (H100/H200: 227 KB)
 constexpr int kSM90MaxSmemBytes = 232448;
 }  // namespace mega_moe_tiles
@@ -44,6 +46,7 @@ struct MegaMoEConfig {
     int block_n_l2;            // L2 task width, a kernel variant: 128, or 256 (decode, 128-wide tasks outnumber the SMs)
     int block_k;               // 128 (FP8) or 64 (BF16): one 128-byte swizzle row
     int num_stages;            // TMA -> WGMMA pipeline depth
+    int num_prefetch_stages;   // weight stages a task streams before its inputs are ready (<= num_stages)
     int num_sms;               // CTAs of the persistent grid
     int num_experts_per_wave;  // local experts scheduled together
     int smem_bytes;            // dynamic shared memory of one CTA
@@ -62,7 +65,7 @@ struct MegaMoEConfig {
         std::ostringstream os;
         os << "MegaMoEConfig(mma_type=" << kNames[static_cast<int>(mma_type)] << ", block_m=" << block_m
            << ", block_n_l1=" << block_n_l1 << ", block_n_l2=" << block_n_l2 << ", block_k=" << block_k
-           << ", num_stages=" << num_stages << ", num_math_warpgroups=" << num_math_warpgroups
+           << ", num_stages=" << num_stages << ", num_prefetch_stages=" << num_prefetch_stages << ", num_math_warpgroups=" << num_math_warpgroups
            << ", num_threads=" << num_threads << ", num_sms=" << num_sms
            << ", num_experts_per_wave=" << num_experts_per_wave << ", smem_bytes=" << smem_bytes
            << " (stage A " << smem_a_per_stage << " + B " << smem_b_per_stage << ", epilogue " << smem_epilogue
@@ -151,6 +154,12 @@ inline MegaMoEConfig get_mega_moe_config(MmaType mma_type, int num_ranks, int nu
         throw std::invalid_argument(os.str());
     }
     c.num_stages = num_stages;
+    // Weight prefetch: a task claims its first stages for weights before its tokens (L1) or L1 outputs
+    // (L2) are in. FP8 x FP4 decode streams 3 (of 6): the deeper prefetch of the L2 tasks competes
+    // with the L1 tasks' loads on the decode chain (measured: mid n = 1 -7.5 %, v4-flash n = 1 -2 %,
+    // n = 8 / 128 within 1 %; docs/PERF.md session 9); the other formats and prefill stream all
+    // stages (FP8 decode measured -1 to -2 % at one token with 3, not yet at n = 8 / 128)
+    c.num_prefetch_stages = mma_type == MmaType::kFP8xFP4 and c.block_m == 64 ? min_of(num_stages, kFP4DecodePrefetchStages) : num_stages;
     c.smem_bytes = mega_moe_smem_bytes(mma_type, c.block_m, num_stages);
     c.smem_barriers = c.smem_bytes - num_stages * per_stage - c.smem_epilogue;
     c.num_sms = num_sms;

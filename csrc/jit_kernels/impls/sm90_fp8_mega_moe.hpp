@@ -183,7 +183,8 @@ inline MegaMoEConfig launch_sm90_mega_moe(const SM90MegaMoEArgs& a) {
     params.host_status = reinterpret_cast<uint64_t*>(a.host_status);
     params.trace = reinterpret_cast<uint64_t*>(a.trace);
     params.peers_on_this_gpu = a.peers_on_this_gpu ? 1 : 0;
-    // Tuning aid (docs/KERNEL.md): DG_MEGA_MOE_PREFETCH_STAGES caps the weight prefetch; default all stages
+    // Tuning aid (docs/KERNEL.md): DG_MEGA_MOE_PREFETCH_STAGES sets the weight prefetch (at most all
+    // stages); default the heuristic's
     static const int prefetch_override = [] {
         const std::string v = jit::get_env("DG_MEGA_MOE_PREFETCH_STAGES");
         if (v.empty()) return -1;
@@ -194,7 +195,7 @@ inline MegaMoEConfig launch_sm90_mega_moe(const SM90MegaMoEArgs& a) {
             jit::raise_invalid_argument("DG_MEGA_MOE_PREFETCH_STAGES: expected a non-negative integer, got '", v, "'");
         return value;
     }();
-    params.num_prefetch_stages = prefetch_override >= 0 ? std::min(prefetch_override, config.num_stages) : config.num_stages;
+    params.num_prefetch_stages = prefetch_override >= 0 ? std::min(prefetch_override, config.num_stages) : config.num_prefetch_stages;
     params.l1_split_max = mega_moe_l1_split_max(a.mma_type);
 
     const auto& lay = params.layout;
