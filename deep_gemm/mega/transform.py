@@ -250,8 +250,13 @@ def _unplace_signs(words: torch.Tensor) -> torch.Tensor:
 
 
 def _map_words(blocks: torch.Tensor, fn) -> torch.Tensor:
-    """Apply `fn` to the little-endian 32-bit words of uint8 `blocks` (last dim a multiple of 4)."""
-    return fn(blocks.contiguous().view(torch.int32)).view(torch.uint8)
+    """Apply `fn` to the little-endian 32-bit words of uint8 `blocks` (last dim a multiple of 4), one
+    leading index (expert) at a time: its temporaries stay one expert's size, not the layer's."""
+    words = blocks.contiguous().view(torch.int32)
+    out = torch.empty_like(words)
+    for i in range(words.shape[0]):
+        out[i] = fn(words[i])
+    return out.view(torch.uint8)
 
 
 def _packed_to_kernel_blocks(w: torch.Tensor) -> torch.Tensor:
