@@ -221,6 +221,18 @@ def test_fp4_format_and_round_trip():
     assert_same(r2, l2)
 
 
+def test_fp4_transforms_leave_their_inputs_alone():
+    # The sign placement maps words into a new tensor (one expert at a time); neither direction may
+    # write into the caller's tensors (a view of the kernel format is what the inverse reshapes)
+    l1, l2 = fp4_pair(seed=3)
+    before = [t.clone() for pair in (l1, l2) for t in pair]
+    t1, t2 = transform_weights_for_mega_moe(l1, l2)
+    assert all(torch.equal(a, b) for a, b in zip(before, [t for pair in (l1, l2) for t in pair]))
+    kernel_before = [t.clone() for pair in (t1, t2) for t in pair]
+    inverse_transform_weights_for_mega_moe(t1, t2)
+    assert all(torch.equal(a, b) for a, b in zip(kernel_before, [t for pair in (t1, t2) for t in pair]))
+
+
 def test_fp4_kernel_dequant_equals_mxfp4_dequant():
     l1, l2 = fp4_pair(seed=5)
     t1, t2 = transform_weights_for_mega_moe(l1, l2)
