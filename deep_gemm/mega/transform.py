@@ -228,24 +228,17 @@ def fp4_sign_bit_position(hi: int, j: int) -> int:
     return 8 * j + (3 if hi else 7)
 
 
-def _place_signs(words: torch.Tensor) -> torch.Tensor:
+def _move_signs(words: torch.Tensor, to_kernel: bool) -> torch.Tensor:
     """int32 words of 8 codes in fragment order (nibble j < 4: element j of K [0, 4), nibble 4 + j:
-    element j of K [16, 20); sign in bit 3) -> the kernel's word: the same magnitudes (bits 0-2 of
+    element j of K [16, 20); sign in bit 3) <-> the kernel's word: the same magnitudes (bits 0-2 of
     each nibble), the sign of element j of K [0, 4) at bit 8 j + 7 and that of K [16, 20) at bit
-    8 j + 3 (module docstring)."""
+    8 j + 3 (module docstring). `to_kernel` picks the direction; each undoes the other."""
     out = words & 0x77777777
     for hi in range(2):
         for j in range(4):
-            out |= ((words >> (16 * hi + 4 * j + 3)) & 1) << fp4_sign_bit_position(hi, j)
-    return out
-
-
-def _unplace_signs(words: torch.Tensor) -> torch.Tensor:
-    """Inverse of `_place_signs`."""
-    out = words & 0x77777777
-    for hi in range(2):
-        for j in range(4):
-            out |= ((words >> fp4_sign_bit_position(hi, j)) & 1) << (16 * hi + 4 * j + 3)
+            fragment_bit, kernel_bit = 16 * hi + 4 * j + 3, fp4_sign_bit_position(hi, j)
+            src, dst = (fragment_bit, kernel_bit) if to_kernel else (kernel_bit, fragment_bit)
+            out |= ((words >> src) & 1) << dst
     return out
 
 
@@ -263,14 +256,14 @@ def _packed_to_kernel_blocks(w: torch.Tensor) -> torch.Tensor:
     """Row-major packed E2M1 [E, N, K/2] -> the kernel's [E, N/128, K/128, 8192] (module docstring):
     blocked, each row's 64 bytes of a K-block permuted, the signs of each word placed."""
     e, n, half_k = w.shape
-    blocks = _map_words(_permute_packed_rows(_blocks(w, FP4_PACKED_ROW_BYTES)), _place_signs)   # [E, NB, KB, 128, 64]
+    blocks = _map_words(_permute_packed_rows(_blocks(w, FP4_PACKED_ROW_BYTES)), lambda x: _move_signs(x, to_kernel=True))   # [E, NB, KB, 128, 64]
     return blocks.reshape(e, n // WEIGHT_BLOCK, half_k * 2 // WEIGHT_BLOCK, FP4_PACKED_BLOCK_BYTES).contiguous()
 
 
 def _packed_from_kernel_blocks(w: torch.Tensor) -> torch.Tensor:
     """Inverse of `_packed_to_kernel_blocks`: [E, N/128, K/128, 8192] -> [E, N, K/2]."""
     e, nb, kb, _ = w.shape
-    rows = _map_words(w.reshape(e, nb, kb, WEIGHT_BLOCK, FP4_PACKED_ROW_BYTES), _unplace_signs)
+    rows = _map_words(w.reshape(e, nb, kb, WEIGHT_BLOCK, FP4_PACKED_ROW_BYTES), lambda x: _move_signs(x, to_kernel=False))
     return _unblocks(_unpermute_packed_rows(rows)).contiguous()
 
 

@@ -94,8 +94,7 @@ inline MegaMoEConfig get_mega_moe_config(MmaType mma_type, int num_ranks, int nu
                                          int hidden, int intermediate_hidden, int num_expected_tokens_per_rank,
                                          int num_sms, int max_smem_bytes) {
     using namespace mega_moe_tiles;
-    if (static_cast<int>(mma_type) < 0 or static_cast<int>(mma_type) > 2)
-        throw_invalid_config_arg("mma_type", static_cast<int>(mma_type), "0 (fp8xfp4), 1 (fp8xfp8) or 2 (bf16xbf16)");
+    mega_moe_mma_type(static_cast<int>(mma_type));   // the one range check of the format
     if (num_ranks < 1 or num_ranks > kMaxRanks)
         throw_invalid_config_arg("num_ranks", num_ranks, "1 <= num_ranks <= " + std::to_string(kMaxRanks));
     if (num_experts <= 0 or num_experts % num_ranks != 0)
@@ -158,7 +157,7 @@ inline MegaMoEConfig get_mega_moe_config(MmaType mma_type, int num_ranks, int nu
     // (L2) are in. FP8 x FP4 decode streams 3 (of 6): the deeper prefetch of the L2 tasks competes
     // with the L1 tasks' loads on the decode chain (measured: mid n = 1 -7.5 %, v4-flash n = 1 -2 %,
     // n = 8 / 128 within 1 %; docs/PERF.md session 9); the other formats and prefill stream all
-    // stages (FP8 decode measured -1 to -2 % at one token with 3, not yet at n = 8 / 128)
+    // stages (FP8 and BF16 decode with 3 or 2 measured within 1 % at n = 1 / 8 / 128)
     c.num_prefetch_stages = mma_type == MmaType::kFP8xFP4 and c.block_m == 64 ? min_of(num_stages, kFP4DecodePrefetchStages) : num_stages;
     c.smem_bytes = mega_moe_smem_bytes(mma_type, c.block_m, num_stages);
     c.smem_barriers = c.smem_bytes - num_stages * per_stage - c.smem_epilogue;

@@ -847,7 +847,7 @@ struct Kernel {
     // producer armed completes (its drain issues the missing A tiles; task_stages_dead stops the
     // task before its epilogue); a stage it never armed never completes: leave once armed_final
     // says so. The math's own bound (twice the producer's) is a last resort for a copy that never lands.
-    __device__ bool wait_full(uint32_t stage_iter, const MathThread&) {
+    __device__ bool wait_full(uint32_t stage_iter) {
         const int s = stage_iter % kNumStages;
         const uint32_t parity = (stage_iter / kNumStages) & 1;
         const uint32_t ctrl = smem_addr(sm.ctrl);
@@ -874,7 +874,7 @@ struct Kernel {
     }
     // wait_full for L1 K-block kb, with its trace stamps (scripts/trace.py: first stage, K-block cadence)
     __device__ bool wait_full_l1(int kb, uint32_t stage_iter, const MathThread& mt) {
-        if (not wait_full(stage_iter, mt)) return false;
+        if (not wait_full(stage_iter)) return false;
         if (kb == 0 and mt.tid == 0) trace(kTraceL1FirstStage, true);
         if (kb < kTraceKbSlots and mt.tid == 0 and mt.wg == 0) trace(kTraceKbReady + kb, true);
         return true;
@@ -1062,7 +1062,7 @@ struct Kernel {
             float (&acc_g)[kL1Half] = *reinterpret_cast<float (*)[kL1Half]>(gate);
             float (&acc_u)[kL1Half] = *reinterpret_cast<float (*)[kL1Half]>(up);
             for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
-                if (not wait_full(stage_iter, mt)) return false;
+                if (not wait_full(stage_iter)) return false;
                 const int s = stage_iter % kNumStages;
                 const uint64_t da = mma::make_k_major_sw128_desc(sm.stage_a(s) + a_offset);
                 const uint64_t dg = mma::make_k_major_sw128_desc(sm.mma_b(s) + gate_offset);
@@ -1093,7 +1093,7 @@ struct Kernel {
             #pragma unroll
             for (int i = 0; i < kL2Acc; ++i) acc[i] = 0.0f;
             for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
-                if (not wait_full(stage_iter, mt)) return false;
+                if (not wait_full(stage_iter)) return false;
                 const int s = stage_iter % kNumStages;
                 if constexpr (kFP4) expand_fp4_tile<kMegaMoEBlockNL2>(s);
                 const float sb = sm.weight_sf(s, 0);
@@ -1112,7 +1112,7 @@ struct Kernel {
             }
         } else {
             for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
-                if (not wait_full(stage_iter, mt)) return false;
+                if (not wait_full(stage_iter)) return false;
                 const int s = stage_iter % kNumStages;
                 const uint64_t da = mma::make_k_major_sw128_desc(sm.stage_a(s) + a_offset);
                 const uint64_t db = mma::make_k_major_sw128_desc(sm.mma_b(s) + b_offset);
@@ -1502,7 +1502,7 @@ struct Kernel {
         #pragma unroll
         for (int i = 0; i < 4 * kL2Tiles; ++i) acc[i] = 0.0f;
         for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
-            if (not wait_full(stage_iter, mt)) return false;
+            if (not wait_full(stage_iter)) return false;
             const int s = stage_iter % kNumStages;
             const uint64_t dt = mma::make_k_major_sw128_desc(sm.stage_a(s));
             const uint64_t db = mma::make_k_major_sw128_desc(sm.mma_b(s) + b_offset);
