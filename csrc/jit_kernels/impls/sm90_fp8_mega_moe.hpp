@@ -101,9 +101,6 @@ inline CUtensorMap make_kmajor_tma(int64_t ptr, CUtensorMapDataType dtype, uint6
                             swizzle);
 }
 
-// The L2 task width a call launches: the heuristic's, or the tuning aid DG_MEGA_MOE_L2_BLOCK_N = 128
-// or 256 (docs/KERNEL.md; read once per process), which picks the kernel variant of that width
-// where there is one (256: BLOCK_M 64 only) and the hidden size is whole tasks of it
 // A tuning aid's value: one of `allowed` (as written), -1 when unset; anything else raises
 inline int read_env_choice(const char* name, std::initializer_list<const char*> allowed) {
     const std::string v = jit::get_env(name);
@@ -117,6 +114,9 @@ inline int read_env_choice(const char* name, std::initializer_list<const char*> 
     return -1;
 }
 
+// The L2 task width a call launches: the heuristic's, or the tuning aid DG_MEGA_MOE_L2_BLOCK_N = 128
+// or 256 (docs/KERNEL.md; read once per process), which picks the kernel variant of that width
+// where there is one (256: BLOCK_M 64 only) and the hidden size is whole tasks of it
 inline int select_mega_moe_l2_block_n(const MegaMoEConfig& config, int hidden) {
     static const int l2_block_n_override = read_env_choice("DG_MEGA_MOE_L2_BLOCK_N", {"128", "256"});
     const int width = l2_block_n_override > 0 ? l2_block_n_override : config.block_n_l2;
