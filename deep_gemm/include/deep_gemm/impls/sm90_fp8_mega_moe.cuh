@@ -920,10 +920,14 @@ struct Kernel {
         return make_uint2(prmt(mag.x, mag.y, sel) | (codes & 0x80808080u),
                           prmt(mag.x, mag.y, sel >> 16) | ((codes << 4) & 0x80808080u));
     }
-    // The table row (E4M3 magnitudes of codes 0..7) of group g's delta in a row's delta word
-    __device__ __forceinline__ uint2 fp4_magnitudes(uint32_t deltas, int g) const {
-        // Weights are host data: mask the delta so a corrupted byte cannot index past the table
-        return ld_shared_v2(smem_addr(sm.fp4_table) + ((deltas >> (8 * g)) & 15) * 16);
+    // A row's delta word (byte g: group g's delta) as the byte offsets of its 4 table rows (16 bytes
+    // per delta). Weights are host data: the mask keeps a corrupted byte from indexing past the table.
+    __device__ __forceinline__ static uint32_t fp4_table_offsets(uint32_t deltas) { return (deltas << 4) & 0xF0F0F0F0u; }
+    // The table row (E4M3 magnitudes of codes 0..7) of group g, from fp4_table_offsets: byte g
+    // zero-extended by one prmt (selector nibbles 4: byte 0 of the zero operand), 6 instructions
+    // per 4 groups where a shift and a mask per group took 8
+    __device__ __forceinline__ uint2 fp4_magnitudes(uint32_t offsets, int g) const {
+        return ld_shared_v2(smem_addr(sm.fp4_table) + prmt(offsets, 0u, 0x4440u + g));
     }
 
     // Wide tiles: expand the stage's packed B tile into the E4M3 tile the wgmma reads
@@ -957,17 +961,17 @@ struct Kernel {
         const uint32_t out = smem_addr(sm.expanded_b) + t / 32 * 1024 + t % 8 * 128 + (((t / 8 % 4) ^ (t % 8)) << 4);
         constexpr int kGroupStride = 8 * kMathWarps;   // rows between a warp's groups
         uint4 codes[kGroups];
-        uint32_t d4[kGroups];
+        uint32_t offsets[kGroups];
         #pragma unroll
         for (int u = 0; u < kGroups; ++u) {
             codes[u] = ld_shared_v4(packed + u * kGroupStride * kMegaMoEPackedRowBytes);
-            d4[u] = ld_shared_u32(deltas + u * kGroupStride * 4);
+            offsets[u] = fp4_table_offsets(ld_shared_u32(deltas + u * kGroupStride * 4));
         }
         #pragma unroll
         for (int u = 0; u < kGroups; ++u) {
             uint2 e[mma::kWgmmaStepsPerKBlock];
             #pragma unroll
-            for (int ks = 0; ks < mma::kWgmmaStepsPerKBlock; ++ks) e[ks] = expand_e2m1x8(word_of(codes[u], ks), fp4_magnitudes(d4[u], ks));
+            for (int ks = 0; ks < mma::kWgmmaStepsPerKBlock; ++ks) e[ks] = expand_e2m1x8(word_of(codes[u], ks), fp4_magnitudes(offsets[u], ks));
             // Before the first store: every math thread's wgmma on the tile's previous contents is
             // complete (each waited for its own; the other warpgroup's may still be reading it)
             if (u == 0) named_barrier(kBarrierMathAll, kNumMathThreads);
@@ -1296,17 +1300,17 @@ struct Kernel {
         const uint32_t packed = smem_addr(sm.stage_b(s)) + row * kMegaMoEPackedRowBytes + (mt.lane % 4) * kMegaMoEFP4ChunkBytes;
         const uint32_t deltas = smem_addr(sm.stage_deltas(s)) + row * 4;
         uint4 codes[2];
-        uint32_t d4[2];
+        uint32_t offsets[2];
         #pragma unroll
         for (int h = 0; h < 2; ++h) {
             codes[h] = ld_shared_v4(packed + h * 8 * kMegaMoEPackedRowBytes);
-            d4[h] = ld_shared_u32(deltas + h * 8 * 4);
+            offsets[h] = fp4_table_offsets(ld_shared_u32(deltas + h * 8 * 4));
         }
         #pragma unroll
         for (int h = 0; h < 2; ++h) {
             #pragma unroll
             for (int ks = 0; ks < mma::kWgmmaStepsPerKBlock; ++ks) {
-                const uint2 e = expand_e2m1x8(word_of(codes[h], ks), fp4_magnitudes(d4[h], ks));
+                const uint2 e = expand_e2m1x8(word_of(codes[h], ks), fp4_magnitudes(offsets[h], ks));
                 frag[ks][h] = e.x;
                 frag[ks][2 + h] = e.y;
             }
