@@ -1,5 +1,5 @@
 """The development scripts under scripts/ stay runnable: shell scripts parse, Python scripts
-compile, and the A/B timer's command line works without a GPU."""
+compile, CUDA probes build for sm_90a, and the A/B timer's command line works without a GPU."""
 import glob
 import os
 import py_compile
@@ -21,6 +21,14 @@ def test_shell_script_parses(path):
 @pytest.mark.parametrize('path', sorted(glob.glob(os.path.join(SCRIPTS, '*.py'))), ids=os.path.basename)
 def test_python_script_compiles(path, tmp_path):
     py_compile.compile(path, cfile=str(tmp_path / 'out.pyc'), doraise=True)
+
+
+@pytest.mark.parametrize('path', sorted(glob.glob(os.path.join(SCRIPTS, '*.cu'))), ids=os.path.basename)
+def test_cuda_probe_compiles_for_sm90a(path, tmp_path, requires_nvcc):
+    """The standalone probes (stream, racecheck, code-address) still build as docs/PERF.md says."""
+    result = subprocess.run([requires_nvcc, '-O2', '-arch=sm_90a', '-c', path, '-o', str(tmp_path / 'probe.o')],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
 
 
 def test_time_fused_help_runs_without_a_gpu():
