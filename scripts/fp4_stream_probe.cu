@@ -4,11 +4,11 @@
 // code blocks, gate and up, each read sequentially through its own stream, plus their two 512-byte
 // delta blocks from a third region and a 1 KB L2-resident A box); one consumer warp waits for a
 // stage, holds it `hold` SM cycles (the math's time on a K-block) and releases it. Every CTA reads
-// its own slice of a 2 GB weight region (never L2-resident), so all SMs stream at once, as at
-// v4-flash n = 128.
+// its own slice of a 2 GB weight region (never L2-resident; at G = SMs / 2 the first half of it),
+// so all SMs stream at once, as at v4-flash n = 128.
 //   nvcc -O2 -arch=sm_90a -o /tmp/fp4_probe scripts/fp4_stream_probe.cu
-//   /tmp/fp4_probe      (sweeps CTAs, stages and hold; prints GB/s of weight + delta bytes and the
-//                        SM cycles per stage per CTA)
+//   /tmp/fp4_probe      (sweeps CTAs, stages and hold; prints GB/s of code + delta bytes and the
+//                        microseconds per stage per CTA)
 // Result (H200, session 11): docs/PERF.md, "2026-11-30 (session 11)".
 #include <cuda_runtime.h>
 
@@ -74,19 +74,23 @@ __global__ void __launch_bounds__(64) stream(const uint8_t* codes, const uint8_t
     }
 }
 
+static void check(cudaError_t e, const char* what) {
+    if (e != cudaSuccess) { std::printf("%s: %s\n", what, cudaGetErrorString(e)); std::exit(1); }
+}
+
 int main() {
     int num_sms = 0;
     cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0);
     const size_t code_region = size_t(2) << 30;
     const int kb_per_cta = static_cast<int>(code_region / (size_t(num_sms) * 2 * kCodeBytes));
     uint8_t *codes = nullptr, *deltas = nullptr, *a = nullptr;
-    cudaMalloc(&codes, code_region);
-    cudaMalloc(&deltas, size_t(num_sms) * 2 * kb_per_cta * kDeltaBytes);
-    cudaMalloc(&a, 8 * kABytes);
+    check(cudaMalloc(&codes, code_region), "cudaMalloc codes");
+    check(cudaMalloc(&deltas, size_t(num_sms) * 2 * kb_per_cta * kDeltaBytes), "cudaMalloc deltas");
+    check(cudaMalloc(&a, 8 * kABytes), "cudaMalloc a");
     cudaMemset(codes, 0x3c, code_region);
     cudaMemset(deltas, 0x01, size_t(num_sms) * 2 * kb_per_cta * kDeltaBytes);
     cudaMemset(a, 0x3c, 8 * kABytes);
-    cudaFuncSetAttribute(stream, cudaFuncAttributeMaxDynamicSharedMemorySize, 232448);
+    check(cudaFuncSetAttribute(stream, cudaFuncAttributeMaxDynamicSharedMemorySize, 232448), "cudaFuncSetAttribute");
     cudaEvent_t e0, e1;
     cudaEventCreate(&e0), cudaEventCreate(&e1);
     int clock_khz = 0;
