@@ -29,13 +29,17 @@ def expected_smem(mma_type, block_m, stages):
     # table) rounded up to 1 KB; 1 KB
     # to re-align the base. FP8 activations add per stage the M-block's scales (block_m floats) and
     # the B tile's weight block scales (gate and up floats, padded to 16 bytes); FP4 adds per stage
-    # the B tile's exponent deltas (256 rows x 4 bytes).
+    # the B tile's exponent deltas (256 rows x 4 bytes), and rounds those per-stage extras up to 128
+    # bytes (the deltas' tensor copy lands at a 128-byte boundary).
     block_k = 64 if mma_type == 'bf16xbf16' else 128
     elem = 2 if mma_type == 'bf16xbf16' else 1
     fp8 = mma_type != 'bf16xbf16'
-    a = block_m * block_k * elem + (block_m * 4 + 16 if fp8 else 0)
     fp4 = mma_type == 'fp8xfp4'
-    b = 256 * 64 + 256 * 4 if fp4 else 256 * block_k * elem
+    extras = (block_m * 4 + 16 if fp8 else 0) + (256 * 4 if fp4 else 0)
+    if fp4:
+        extras = -(-extras // 128) * 128
+    a = block_m * block_k * elem + extras
+    b = 256 * 64 if fp4 else 256 * block_k * elem
     expanded = 256 * 128 if fp4 else 0
     epilogue = block_m * (128 * 2 + 16)
     control = -(-(stages * 16 + 4 * 20 + (2 * 512 + 1) * 4 + 128 * 4 + 64 + 256) // 1024) * 1024

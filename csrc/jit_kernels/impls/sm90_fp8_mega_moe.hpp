@@ -208,7 +208,7 @@ inline MegaMoEConfig launch_sm90_mega_moe(const SM90MegaMoEArgs& a) {
     CUtensorMap tm_l1_act = make_kmajor_tma(own + lay.l1_act.offset, dtype, h, rows, bk, config.block_m, h * act);
     // FP8 x FP4 weights: blocks of 128 rows x 64 packed bytes, one per 128 x 128 weight block and
     // contiguous ([E, N/128, K/128, 8192], transform.py), seen as rows of 64 bytes; a box is one
-    // block (the kernel loads a 256-row L1 tile as two), unswizzled (the math warpgroups expand it
+    // block (L2's one-block loads; the pair maps below take two), unswizzled (the math warpgroups expand it
     // into the swizzled E4M3 tile or, on narrow tiles, into wgmma A fragments; the transform permutes
     // each row's 64 bytes for those loads, mega_moe_fp4_packed_byte)
     const bool fp4 = a.mma_type == MmaType::kFP8xFP4;
@@ -220,6 +220,33 @@ inline MegaMoEConfig launch_sm90_mega_moe(const SM90MegaMoEArgs& a) {
     CUtensorMap tm_l1_w = w_tma(a.l1_weights, h, e * 2 * i, kMegaMoEBlockNL1);
     CUtensorMap tm_l2_act = make_kmajor_tma(own + lay.l2_act.offset, dtype, i, rows, bk, config.block_m, i * act);
     CUtensorMap tm_l2_w = w_tma(a.l2_weights, i, e * h, kMegaMoEBlockNL2);
+    // FP8 x FP4: a stage of a 256-row tile (L1's gate/up pair, a narrow 256-wide L2 tile) takes the
+    // two 128-row blocks of a pair with one copy for the codes and one for the deltas: the codes as
+    // [row blocks][K-blocks][128 rows][64 bytes] in boxes {64, 128, 1, 2}, the deltas as
+    // [row blocks][K-blocks][128 x 4 bytes] in boxes {128, 1, 2} (32-bit elements). L1 stages are
+    // always pairs (its code map is the pair map); L2 keeps its one-block map for the other tiles.
+    // Other formats get placeholders (never read).
+    const auto pair_codes = [&](int64_t ptr, uint64_t k, uint64_t rows) {
+        const uint64_t kbs = k / 128, block = 128 * kMegaMoEPackedRowBytes;
+        return jit::make_tma<4>(reinterpret_cast<void*>(ptr), CU_TENSOR_MAP_DATA_TYPE_UINT8,
+                                {jit::TmaDim{kMegaMoEPackedRowBytes, kMegaMoEPackedRowBytes, 0, "packed row bytes", "packed row bytes", "-"},
+                                 jit::TmaDim{128, 128, kMegaMoEPackedRowBytes, "block rows", "block rows", "packed row bytes"},
+                                 jit::TmaDim{kbs, 1, block, "K-blocks", "one K-block", "block bytes"},
+                                 jit::TmaDim{rows / 128, 2, kbs * block, "row blocks", "row-block pair", "row-block bytes"}},
+                                CU_TENSOR_MAP_SWIZZLE_NONE);
+    };
+    const auto pair_deltas = [&](int64_t ptr, uint64_t k, uint64_t rows) {
+        const uint64_t kbs = k / 128;
+        return jit::make_tma<3>(reinterpret_cast<void*>(ptr), CU_TENSOR_MAP_DATA_TYPE_UINT32,
+                                {jit::TmaDim{kMegaMoEDeltaBlockBytes / 4, kMegaMoEDeltaBlockBytes / 4, 0, "delta words", "delta words", "-"},
+                                 jit::TmaDim{kbs, 1, kMegaMoEDeltaBlockBytes, "K-blocks", "one K-block", "delta block bytes"},
+                                 jit::TmaDim{rows / 128, 2, kbs * kMegaMoEDeltaBlockBytes, "row blocks", "row-block pair", "row-block delta bytes"}},
+                                CU_TENSOR_MAP_SWIZZLE_NONE);
+    };
+    if (fp4) tm_l1_w = pair_codes(a.l1_weights, h, e * 2 * i);
+    CUtensorMap tm_l2_w_pair = fp4 ? pair_codes(a.l2_weights, i, e * h) : tm_l2_w;
+    CUtensorMap tm_l1_d_pair = fp4 ? pair_deltas(a.l1_weight_deltas, h, e * 2 * i) : tm_l2_w;
+    CUtensorMap tm_l2_d_pair = fp4 ? pair_deltas(a.l2_weight_deltas, i, e * h) : tm_l2_w;
 
     // Narrow decode tiles read only the first kMegaMoENarrowRows rows of an M-block's A tile: the same
     // pools in boxes of that many rows. Kernels without narrow tiles never read these parameters and
@@ -230,7 +257,8 @@ inline MegaMoEConfig launch_sm90_mega_moe(const SM90MegaMoEArgs& a) {
     CUtensorMap tm_l2_act_narrow =
         narrow ? make_kmajor_tma(own + lay.l2_act.offset, dtype, i, rows, bk, kMegaMoENarrowRows, i * act) : tm_l2_act;
 
-    void* args[] = {&params, &tm_l1_act, &tm_l1_w, &tm_l2_act, &tm_l2_w, &tm_l1_act_narrow, &tm_l2_act_narrow};
+    void* args[] = {&params, &tm_l1_act, &tm_l1_w, &tm_l2_act, &tm_l2_w, &tm_l1_act_narrow, &tm_l2_act_narrow,
+                    &tm_l2_w_pair, &tm_l1_d_pair, &tm_l2_d_pair};
     jit::LaunchConfig launch_config;
     launch_config.grid = {static_cast<uint32_t>(config.num_sms), 1, 1};
     launch_config.block = {static_cast<uint32_t>(config.num_threads), 1, 1};

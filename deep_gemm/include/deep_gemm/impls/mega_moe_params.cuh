@@ -90,8 +90,11 @@ constexpr int kMegaMoEStageWeightSfBytes = 16;
 DG_HOST_DEVICE constexpr int mega_moe_stage_sf_bytes(MmaType t, int block_m) { return is_fp8_activation(t) ? block_m * 4 : 0; }
 DG_HOST_DEVICE constexpr int mega_moe_stage_deltas_bytes(MmaType t) { return t == MmaType::kFP8xFP4 ? kMegaMoEDeltaBytesL1 : 0; }
 DG_HOST_DEVICE constexpr int mega_moe_stage_weight_sf_bytes(MmaType t) { return is_fp8_activation(t) ? kMegaMoEStageWeightSfBytes : 0; }
+// FP8 x FP4 rounds a stage's extras up to 128 bytes, so that every stage's delta slot (at the
+// 128-byte multiple block_m * 4) is a valid destination for the deltas' tensor copy
 DG_HOST_DEVICE constexpr int mega_moe_stage_extra_bytes(MmaType t, int block_m) {
-    return mega_moe_stage_sf_bytes(t, block_m) + mega_moe_stage_deltas_bytes(t) + mega_moe_stage_weight_sf_bytes(t);
+    const int bytes = mega_moe_stage_sf_bytes(t, block_m) + mega_moe_stage_deltas_bytes(t) + mega_moe_stage_weight_sf_bytes(t);
+    return t == MmaType::kFP8xFP4 ? (bytes + 127) / 128 * 128 : bytes;
 }
 // K-blocks of one GEMM: bounds hidden and intermediate_hidden (checked by the host at layout time)
 constexpr int kMegaMoEMaxKBlocks = 128;

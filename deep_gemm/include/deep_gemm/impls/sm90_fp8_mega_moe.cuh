@@ -121,8 +121,10 @@ __device__ __forceinline__ float silu(float g) {
 
 // The kernel's TMA descriptors (__grid_constant__ parameters): activation pools (BLOCK_M-row boxes,
 // and kMegaMoENarrowRows-row boxes for narrow tiles) and weights
+// FP8 x FP4 also: a 128-row block pair's codes (L1: l1_w itself; L2: l2_w_pair) and deltas in one
+// box each (other formats get placeholders they never read)
 struct TensorMaps {
-    const CUtensorMap *l1_act, *l1_w, *l2_act, *l2_w, *l1_act_narrow, *l2_act_narrow;
+    const CUtensorMap *l1_act, *l1_w, *l2_act, *l2_w, *l1_act_narrow, *l2_act_narrow, *l2_w_pair, *l1_d_pair, *l2_d_pair;
 };
 
 // kL2BlockN: the L2 task width (mega_moe_params.cuh), a variant of its own so that the 128-wide
@@ -673,6 +675,7 @@ struct Kernel {
             // row block K-major; block0 = the pass's first row block at K-block 0
             const uint8_t* deltas = nullptr;
             int64_t block0 = 0;
+            int row_block0 = 0;     // the pass's first row block among all of the weight's 128-row blocks
             // FP32 weight block scales, [K-blocks] per 128-row block (adjacent row blocks adjacent):
             // L1 gate row block 2j, up 2j + 1
             const float* w_sf = nullptr;
@@ -681,7 +684,8 @@ struct Kernel {
                              : p.l2_weight_scales + (static_cast<int64_t>(le) * (lay.hidden / 128) + j * kL2Tiles) * num_kb;
             if constexpr (kFP4) {
                 const int row_blocks = (is_l1 ? 2 * lay.intermediate_hidden : lay.hidden) / 128;
-                block0 = (static_cast<int64_t>(le) * row_blocks + j * (b_rows * num_passes / 128)) * num_kb;
+                row_block0 = le * row_blocks + j * (b_rows * num_passes / 128);
+                block0 = static_cast<int64_t>(row_block0) * num_kb;
                 deltas = is_l1 ? p.l1_weight_deltas : p.l2_weight_deltas;
             }
             auto claim_stage = [&](uint32_t it) {
@@ -692,6 +696,14 @@ struct Kernel {
                 mbarrier_expect_tx(sm.full + s, stage_bytes);
                 const int kb = static_cast<int>(it - stage_iter) + kb0;
                 if constexpr (kFP4) {
+                    if (b_rows == 2 * 128) {
+                        // A row-block pair (L1: gate 2j and up 2j + 1; a narrow 256-wide L2 tile): its two
+                        // 8 KB code blocks in one 4-D box {64 bytes, 128 rows, K-block kb, 2 row blocks}
+                        // and its two delta blocks in one 3-D box, each landing as the pair's two blocks
+                        // back to back, as the per-block copies below put them
+                        tma_load_4d(sm.stage_b(s), is_l1 ? tm_l1_w : tm.l2_w_pair, sm.full + s, 0, 0, kb, row_block0);
+                        tma_load_3d(sm.stage_deltas(s), is_l1 ? tm.l1_d_pair : tm.l2_d_pair, sm.full + s, 0, kb, row_block0);
+                    } else {
                     // Per 128-row block: its packed codes (one contiguous 8 KB block, a TMA box of
                     // 128 rows of 64 bytes) and its deltas (512 bytes)
                     for (int rb = 0; rb < b_rows / 128; ++rb) {
@@ -699,6 +711,7 @@ struct Kernel {
                         tma_load_2d(sm.stage_b(s) + rb * 128 * kMegaMoEPackedRowBytes, tm_w, sm.full + s, 0, static_cast<int>(block * 128));
                         bulk_load(sm.stage_deltas(s) + rb * kMegaMoEDeltaBlockBytes, deltas + block * kMegaMoEDeltaBlockBytes,
                                   kMegaMoEDeltaBlockBytes, sm.full + s);
+                    }
                     }
                 } else {
                     tma_load_2d(sm.stage_b(s), tm_w, sm.full + s, kb * BLOCK_K, b_row0);   // L1 256 rows, L2 128
@@ -781,7 +794,7 @@ struct Kernel {
                     ready = true;
                     b_row0 += kMegaMoEBlockNL2;
                     if constexpr (kFP8) w_sf += num_kb;
-                    if constexpr (kFP4) block0 += num_kb;
+                    if constexpr (kFP4) block0 += num_kb, ++row_block0;
                     goto next_pass;
                 }
             }
@@ -1792,9 +1805,11 @@ struct Kernel {
     NAME(const __grid_constant__ deep_gemm::MegaMoEParams params, const __grid_constant__ CUtensorMap tm_l1_act,       \
          const __grid_constant__ CUtensorMap tm_l1_w, const __grid_constant__ CUtensorMap tm_l2_act,                   \
          const __grid_constant__ CUtensorMap tm_l2_w, const __grid_constant__ CUtensorMap tm_l1_act_narrow,            \
-         const __grid_constant__ CUtensorMap tm_l2_act_narrow) {                                                      \
+         const __grid_constant__ CUtensorMap tm_l2_act_narrow, const __grid_constant__ CUtensorMap tm_l2_w_pair,       \
+         const __grid_constant__ CUtensorMap tm_l1_d_pair, const __grid_constant__ CUtensorMap tm_l2_d_pair) {        \
         extern __shared__ __align__(1024) uint8_t dg_smem[];                                                          \
         auto* base = reinterpret_cast<uint8_t*>(deep_gemm::align_up<uintptr_t>(reinterpret_cast<uintptr_t>(dg_smem), 1024)); \
         deep_gemm::sm90_mega_moe::Kernel<MMA_TYPE, BLOCK_M, NUM_STAGES, FAST_MATH, L2_BLOCK_N> kernel(params, base);              \
-        kernel.run({&tm_l1_act, &tm_l1_w, &tm_l2_act, &tm_l2_w, &tm_l1_act_narrow, &tm_l2_act_narrow});                \
+        kernel.run({&tm_l1_act, &tm_l1_w, &tm_l2_act, &tm_l2_w, &tm_l1_act_narrow, &tm_l2_act_narrow, &tm_l2_w_pair,  \
+                    &tm_l1_d_pair, &tm_l2_d_pair});                                                                    \
     }
