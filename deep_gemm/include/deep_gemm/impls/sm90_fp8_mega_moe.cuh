@@ -157,6 +157,11 @@ struct Kernel {
     static constexpr int kNumMathThreads = 128 * kNumMathWGs;
     static constexpr int kNumRingConsumers = kNumDispatchThreads + 128 * kNumMathWGs;
     static_assert(kStageBytes == kABytes + (kFP4 ? kMegaMoEBlockNL1 * kMegaMoEPackedRowBytes : kBBytesL1));
+    // FP8 x FP4: the deltas' tensor copy lands at each stage's delta slot, 128-byte aligned (the base
+    // is 1024-aligned; the stages, the expanded tile and the epilogue tile are whole 128-byte units)
+    static_assert(not kFP4 or ((kNumStages * kStageBytes + mega_moe_expanded_b_bytes(kMmaType) + mega_moe_epilogue_bytes(BLOCK_M)) % 128 == 0 and
+                               kStageExtraBytes % 128 == 0 and kStageSfBytes % 128 == 0),
+                  "FP8 x FP4 delta slots must be 128-byte aligned");
     static_assert(kStageExtraBytes % 16 == 0 and kStageSfBytes % 16 == 0 and kStageDeltaBytes % 16 == 0,
                   "bulk copies into a stage's extras need 16-byte alignment");
     // Register quotas after `setmaxnreg`. The producer thread (warp 0) spilled its per-stage state
@@ -704,14 +709,14 @@ struct Kernel {
                         tma_load_4d(sm.stage_b(s), is_l1 ? tm_l1_w : tm.l2_w_pair, sm.full + s, 0, 0, kb, row_block0);
                         tma_load_3d(sm.stage_deltas(s), is_l1 ? tm.l1_d_pair : tm.l2_d_pair, sm.full + s, 0, kb, row_block0);
                     } else {
-                    // Per 128-row block: its packed codes (one contiguous 8 KB block, a TMA box of
-                    // 128 rows of 64 bytes) and its deltas (512 bytes)
-                    for (int rb = 0; rb < b_rows / 128; ++rb) {
-                        const int64_t block = block0 + static_cast<int64_t>(rb) * num_kb + kb;
-                        tma_load_2d(sm.stage_b(s) + rb * 128 * kMegaMoEPackedRowBytes, tm_w, sm.full + s, 0, static_cast<int>(block * 128));
-                        bulk_load(sm.stage_deltas(s) + rb * kMegaMoEDeltaBlockBytes, deltas + block * kMegaMoEDeltaBlockBytes,
-                                  kMegaMoEDeltaBlockBytes, sm.full + s);
-                    }
+                        // Per 128-row block: its packed codes (one contiguous 8 KB block, a TMA box of
+                        // 128 rows of 64 bytes) and its deltas (512 bytes)
+                        for (int rb = 0; rb < b_rows / 128; ++rb) {
+                            const int64_t block = block0 + static_cast<int64_t>(rb) * num_kb + kb;
+                            tma_load_2d(sm.stage_b(s) + rb * 128 * kMegaMoEPackedRowBytes, tm_w, sm.full + s, 0, static_cast<int>(block * 128));
+                            bulk_load(sm.stage_deltas(s) + rb * kMegaMoEDeltaBlockBytes, deltas + block * kMegaMoEDeltaBlockBytes,
+                                      kMegaMoEDeltaBlockBytes, sm.full + s);
+                        }
                     }
                 } else {
                     tma_load_2d(sm.stage_b(s), tm_w, sm.full + s, kb * BLOCK_K, b_row0);   // L1 256 rows, L2 128
