@@ -16,23 +16,13 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include "probe_mbarrier.cuh"
+
 constexpr int kCodeBytes = 8192;     // one 128-row x 64-byte packed block
 constexpr int kDeltaBytes = 512;     // its deltas
 constexpr int kABytes = 1024;        // 8 token rows x 128 bytes
 constexpr int kStageBytes = 2 * kCodeBytes + 2 * kDeltaBytes + kABytes;
 
-__device__ __forceinline__ uint32_t sa(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
-__device__ __forceinline__ void mb_init(uint64_t* b, uint32_t n) { asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(sa(b)), "r"(n)); }
-__device__ __forceinline__ void mb_arrive(uint64_t* b) { asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" :: "r"(sa(b)) : "memory"); }
-__device__ __forceinline__ void mb_arrive_tx(uint64_t* b, uint32_t bytes) {
-    asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" :: "r"(sa(b)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mb_wait(uint64_t* b, uint32_t parity) {
-    uint32_t done = 0;
-    while (!done)
-        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-                     : "=r"(done) : "r"(sa(b)), "r"(parity) : "memory");
-}
 __device__ __forceinline__ void bulk(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
                  :: "r"(sa(dst)), "l"(reinterpret_cast<uint64_t>(src)), "r"(bytes), "r"(sa(bar)) : "memory");

@@ -701,7 +701,7 @@ struct Kernel {
                 mbarrier_expect_tx(sm.full + s, stage_bytes);
                 const int kb = static_cast<int>(it - stage_iter) + kb0;
                 if constexpr (kFP4) {
-                    if (b_rows == 2 * 128) {
+                    if (b_rows == 2 * kMegaMoEBlockNL2) {
                         // A row-block pair (L1: gate 2j and up 2j + 1; a narrow 256-wide L2 tile): its two
                         // 8 KB code blocks in one 4-D box {64 bytes, 128 rows, K-block kb, 2 row blocks}
                         // and its two delta blocks in one 3-D box, each landing as the pair's two blocks
