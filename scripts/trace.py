@@ -2,12 +2,13 @@
 
     python scripts/trace.py [--cold | --cold-read | --cold-code-warm] [fmt hidden inter experts topk n ...]
 
-Prints, per phase, how many CTAs stamped it and the min / median / max time in microseconds after
-the first CTA started. Development aid (the kernel writes stamps only when a trace buffer is given).
-The traced call is the last of three; warm by default (weights may still sit in L2 from the call
-before), with --cold after the benchmark's L2 flush (256 MB written), as `deep_gemm.bench` times it,
-with --cold-read after a flush that leaves L2 clean (256 MB read), with --cold-code-warm after the
-flush and one untraced call on experts the traced call does not use (its weights cold, the code warm).
+Prints, per phase, how many CTAs stamped it and the min / 10th percentile / median / 90th percentile
+/ max time in microseconds after the first CTA started. Development aid (the kernel writes stamps
+only when a trace buffer is given). The traced call is the last of three; warm by default (weights
+may still sit in L2 from the call before), with --cold after the benchmark's L2 flush (256 MB
+written), as `deep_gemm.bench` times it, with --cold-read after a flush that leaves L2 clean (256 MB
+read), with --cold-code-warm after the flush and one untraced call on experts the traced call does
+not use (its weights cold, the code warm).
 """
 import dataclasses
 import sys
@@ -57,7 +58,9 @@ def trace_case(fmt, h, i, e, k, n, reps=3, flush=None, code_warm=False):
         col = col[col > 0].double()
         if col.numel():
             col = (col - t0) / 1e3
-            print(f'{name:>14}: {col.numel():4d} CTAs  min {col.min():8.2f}  median {col.median():8.2f}  max {col.max():8.2f} us')
+            q = torch.quantile(col, torch.tensor([0.1, 0.9], dtype=col.dtype)).tolist()
+            print(f'{name:>14}: {col.numel():4d} CTAs  min {col.min():8.2f}  p10 {q[0]:8.2f}  median {col.median():8.2f}  '
+                  f'p90 {q[1]:8.2f}  max {col.max():8.2f} us')
     # K-block cadence of the first L1 task, on the CTA that started L1 first
     kb_slots = _C.kTraceKbSlots
     ready = t[:, _C.kTraceKbReady:_C.kTraceKbReady + kb_slots]

@@ -21,6 +21,8 @@ import torch
 
 import deep_gemm
 from deep_gemm.testing import calc_diff
+from deep_gemm import _C
+from deep_gemm.mega.launch import _max_smem, kernel_variant
 from deep_gemm.testing import moe_case as mc
 
 from conftest import record_diff
@@ -88,6 +90,30 @@ def test_mid_shape(mma_type, ranks, ns):
 @pytest.mark.parametrize('ranks,ns', [(1, [1]), (1, [1024]), (1, [4096]), (8, [7, 129, 1, 64, 0, 33, 5, 256])])
 def test_big_shape(mma_type, ranks, ns):
     check_case(mma_type, *BIG, ns, seed=11)
+
+
+# K-block counts that are odd and not multiples of 4 (the other shapes' are even), so no K-loop,
+# split-K part or FP8 x FP4 stage may assume an even or 4-aligned count. ODD: L1 5 K-blocks, L2 3,
+# L2 tasks 128 wide (hidden % 256 != 0). ODD_256: L1 6 K-blocks, L2 3; at one token 24 narrow L1
+# tiles, so split-K halves of 3 K-blocks (the kernel's rule: build_layout), at 5 and 8 tokens
+# 256-wide L2 tasks.
+ODD = (640, 384, 16, 4)
+ODD_256 = (768, 384, 64, 8)
+
+
+@pytest.mark.parametrize('mma_type', FORMATS)
+@pytest.mark.parametrize('ranks,ns', [(1, [1]), (1, [7]), (1, [129]), (2, [300, 5])])
+def test_odd_k_block_counts(mma_type, ranks, ns):
+    check_case(mma_type, *ODD, ns, seed=13)
+
+
+@pytest.mark.parametrize('mma_type', FORMATS)
+@pytest.mark.parametrize('n', [1, 5, 8])
+def test_odd_k_block_counts_split_k_and_256_wide_l2(mma_type, n):
+    hidden, inter, experts, topk = ODD_256
+    width = kernel_variant(mma_type, 1, experts, topk, hidden, inter, n, _C.get_num_sms(), _max_smem(torch.device('cuda')))[-1]
+    assert width == (128 if n == 1 else 256), f'L2 tasks {width} wide at n = {n}: the case no longer covers what it says'
+    check_case(mma_type, *ODD_256, [n], seed=17)
 
 
 @pytest.mark.parametrize('mma_type', FORMATS)
