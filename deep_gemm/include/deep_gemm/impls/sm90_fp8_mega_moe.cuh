@@ -36,8 +36,6 @@ namespace deep_gemm::sm90_mega_moe {
 using namespace deep_gemm::ptx;
 namespace L = deep_gemm::layout;
 
-// Tokens summed by one combine task: small enough that decode gets several CTAs on it
-constexpr int kCombineTokensPerTask = 4;
 constexpr int kNumDispatchWarps = 3;
 constexpr int kNumDispatchThreads = kNumDispatchWarps * 32;
 // Named barrier ids (0 is __syncthreads)
@@ -539,6 +537,22 @@ struct Kernel {
     static constexpr int kMathCombineSlots = kSplitN ? 8 : 4;
     static constexpr int kNumCombineThreads = kNumMathThreads;
 
+    // Combine tasks split y's 16-byte chunks (n x hidden / 8, token-major) into equal contiguous
+    // ranges: as many tasks as one chunk per combine thread gives, at most one per CTA, so that
+    // decode spreads its few rows over many CTAs (one round trip each) and prefill has no more
+    // tasks than CTAs. The scheduler holds at most one combine task at a time (no CTA hoards them
+    // while it waits for combine_ready).
+    struct CombineRange { int first, last; };
+    __device__ int num_combine_tasks() const {
+        const int64_t chunks = static_cast<int64_t>(p.num_tokens) * (lay.hidden / 8);
+        return static_cast<int>(min_of<int64_t>(gridDim.x, ceil_div<int64_t>(chunks, kNumCombineThreads)));
+    }
+    __device__ CombineRange combine_range(int c) const {
+        const int chunks = p.num_tokens * (lay.hidden / 8);
+        const int per_task = ceil_div(chunks, tasks.num_combine);
+        return {c * per_task, min_of(chunks, (c + 1) * per_task)};
+    }
+
     template <int kSlotsInFlight>
     __device__ void combine(int c, int thread, int group_thread, int group_threads, int group_barrier) {
         // acquire: every rank has written its L2 rows for our tokens
@@ -551,13 +565,13 @@ struct Kernel {
         if (thread == 0) trace(kTraceCombineReady, true);
 
         const int hidden = lay.hidden, topk = lay.num_topk, n_max = lay.num_max_tokens_per_rank;
-        const int first = c * kCombineTokensPerTask, last = min_of(p.num_tokens, first + kCombineTokensPerTask);
         const auto* topk_idx = mine<int64_t>(lay.topk_idx);
         const auto* slots = mine<__nv_bfloat16>(lay.combine);
         auto* y = static_cast<__nv_bfloat16*>(p.y);
         const int chunks_per_token = hidden / 8;
-        for (int i = thread; i < (last - first) * chunks_per_token; i += kNumCombineThreads) {
-            const int t = first + i / chunks_per_token, col = (i % chunks_per_token) * 8;
+        const CombineRange range = combine_range(c);
+        for (int i = range.first + thread; i < range.last; i += kNumCombineThreads) {
+            const int t = i / chunks_per_token, col = (i % chunks_per_token) * 8;
             float sum[8] = {};
             // Top-k slots in groups of kSlotsInFlight: every load of a group is issued before the
             // first add (a dependent chain of L2 round trips cost ~6x here)
@@ -637,6 +651,14 @@ struct Kernel {
 
             is_l1 = t >= tasks.pull_end() and t < tasks.l1_end();
             const bool is_l2 = t >= tasks.l1_end() and t < tasks.l2_end();
+            if (t >= tasks.l2_end()) {
+                // A combine task: its consumers release the slot once it is done (math()); claim the
+                // next ticket only then, so that a CTA waiting for combine_ready holds one task, not
+                // a ring of them (an abort ends the wait; the next claim then leaves)
+                bounded_wait(p, sm.ctrl, Phase::kPipeline, p.rank,
+                             [&] { return mbarrier_try_wait(sm.ring_empty + slot, (i / kMegaMoETaskRing) & 1); });
+                continue;
+            }
             if (not is_l1 and not is_l2) continue;
             const int idx = is_l1 ? t - tasks.pull_end() : t - tasks.l1_end();
             const int nblocks = is_l1 ? tasks.num_l1_nblocks : tasks.num_l2_nblocks;
@@ -817,15 +839,17 @@ struct Kernel {
             while (not mbarrier_try_wait(sm.full + it % kNumStages, (it / kNumStages) & 1) and globaltimer_ns() - start < p.timeout_ns) {}
     }
 
-    // The i-th task of the ring (every consumer thread reads every slot); `total` when aborted
-    __device__ int next_task(int i, int total) {
+    // The i-th task of the ring (every consumer thread reads every slot); `total` when aborted.
+    // Every consumer thread releases the slot once (release_task), at once unless it holds a combine task.
+    __device__ int next_task(int i, int total, bool release = true) {
         const int slot = i % kMegaMoETaskRing;
         const bool ok = bounded_wait(p, sm.ctrl, Phase::kPipeline, p.rank,
                                      [&] { return mbarrier_try_wait(sm.ring_full + slot, (i / kMegaMoETaskRing) & 1); });
         const int t = ok ? sm.ring_task[slot] : total;
-        mbarrier_arrive(sm.ring_empty + slot);
+        if (release) release_task(i);
         return t;
     }
+    __device__ void release_task(int i) { mbarrier_arrive(sm.ring_empty + i % kMegaMoETaskRing); }
 
     // Dispatch warps: pull tasks from the ring
     __device__ void dispatch_worker() {
@@ -1632,9 +1656,14 @@ struct Kernel {
         const int total = tasks.total();
         uint32_t stage_iter = 0;
         for (int i = 0;; ++i) {
-            const int t = next_task(i, total);
+            const int t = next_task(i, total, false);
+            const bool is_combine = t >= tasks.l2_end() and t < total;
+            if (not is_combine) release_task(i);
             // Leave together: the math warpgroups meet at barriers and wgmma until the task ends
-            if (math_any(t >= total or sm.ctrl->abort, mt)) break;
+            if (math_any(t >= total or sm.ctrl->abort, mt)) {
+                if (is_combine) release_task(i);
+                break;
+            }
             if (t >= tasks.pull_end() and t < tasks.l1_end()) {
                 // split-K: consecutive tasks are the K parts of one tile (the scheduler's rule)
                 const int idx = t - tasks.pull_end(), tile = idx / tasks.l1_split;
@@ -1675,8 +1704,9 @@ struct Kernel {
                     l2_epilogue(m, 2 * j + 1, rows, mt, acc);
                 }
                 if (mt.tid == 0) trace(kTraceL2End);
-            } else if (t >= tasks.l2_end()) {
+            } else if (is_combine) {
                 combine<kMathCombineSlots>(t - tasks.l2_end(), 128 * mt.wg + mt.tid, mt.tid, 128, kBarrierMathBase + mt.wg);
+                release_task(i);
             }
         }
     }
@@ -1739,7 +1769,7 @@ struct Kernel {
             tasks.num_l1_nblocks = lay.intermediate_hidden / 128;
             tasks.l1_split = kSplitN ? ctrl->l1_split : 1;   // BLOCK_M = 128 kernels never split (a constant 1 there)
             tasks.num_l2_nblocks = lay.hidden / kL2BlockN;
-            tasks.num_combine = ceil_div(p.num_tokens, kCombineTokensPerTask);
+            tasks.num_combine = num_combine_tasks();
             if (threadIdx.x == 0) {
                 control[L::kControlNumMBlocks] = tasks.num_mblocks;
                 ctrl->first_task = static_cast<int>(atomicAdd(control + L::kControlTaskQueue, 1));
