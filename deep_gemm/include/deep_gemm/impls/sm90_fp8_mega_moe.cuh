@@ -540,8 +540,8 @@ struct Kernel {
     // Combine tasks split y's 16-byte chunks (n x hidden / 8, token-major) into equal contiguous
     // ranges: as many tasks as one chunk per combine thread gives, at most one per CTA, so that
     // decode spreads its few rows over many CTAs (one round trip each) and prefill has no more
-    // tasks than CTAs. The scheduler holds at most one combine task at a time (no CTA hoards them
-    // while it waits for combine_ready).
+    // tasks than CTAs. A CTA holds at most one combine task while it waits for combine_ready (the
+    // scheduler claims its next ticket once the math has started it), so none hoards them.
     struct CombineRange { int first, last; };
     __device__ int num_combine_tasks() const {
         const int64_t chunks = static_cast<int64_t>(p.num_tokens) * (lay.hidden / 8);
@@ -553,14 +553,16 @@ struct Kernel {
         return {c * per_task, min_of(chunks, (c + 1) * per_task)};
     }
 
-    template <int kSlotsInFlight>
-    __device__ void combine(int c, int thread, int group_thread, int group_threads, int group_barrier) {
+    // on_ready(): called by every thread once the rows are there (or the call aborted)
+    template <int kSlotsInFlight, typename OnReady>
+    __device__ void combine(int c, int thread, int group_thread, int group_threads, int group_barrier, OnReady&& on_ready) {
         // acquire: every rank has written its L2 rows for our tokens
         if (group_thread < lay.num_ranks) {
             const auto* flag = mine<uint64_t>(lay.combine_ready) + group_thread;
             bounded_wait(p, sm.ctrl, Phase::kCombineWait, group_thread, [&] { return ld_acquire_peers(flag) >= epoch; });
         }
         named_barrier(group_barrier, group_threads);
+        on_ready();
         if (sm.ctrl->abort) return;
         if (thread == 0) trace(kTraceCombineReady, true);
 
@@ -652,9 +654,9 @@ struct Kernel {
             is_l1 = t >= tasks.pull_end() and t < tasks.l1_end();
             const bool is_l2 = t >= tasks.l1_end() and t < tasks.l2_end();
             if (t >= tasks.l2_end()) {
-                // A combine task: its consumers release the slot once it is done (math()); claim the
-                // next ticket only then, so that a CTA waiting for combine_ready holds one task, not
-                // a ring of them (an abort ends the wait; the next claim then leaves)
+                // A combine task: the math releases its slot once combine_ready is in (math()); claim
+                // the next ticket only then, so that a CTA waiting for combine_ready holds one task,
+                // not a ring of them (an abort ends the wait; the next claim then leaves)
                 bounded_wait(p, sm.ctrl, Phase::kPipeline, p.rank,
                              [&] { return mbarrier_try_wait(sm.ring_empty + slot, (i / kMegaMoETaskRing) & 1); });
                 continue;
@@ -840,7 +842,8 @@ struct Kernel {
     }
 
     // The i-th task of the ring (every consumer thread reads every slot); `total` when aborted.
-    // Every consumer thread releases the slot once (release_task), at once unless it holds a combine task.
+    // Every consumer thread releases the slot once (release_task): at once, but a math thread holding a
+    // combine task only once combine_ready is in.
     __device__ int next_task(int i, int total, bool release = true) {
         const int slot = i % kMegaMoETaskRing;
         const bool ok = bounded_wait(p, sm.ctrl, Phase::kPipeline, p.rank,
@@ -1705,8 +1708,8 @@ struct Kernel {
                 }
                 if (mt.tid == 0) trace(kTraceL2End);
             } else if (is_combine) {
-                combine<kMathCombineSlots>(t - tasks.l2_end(), 128 * mt.wg + mt.tid, mt.tid, 128, kBarrierMathBase + mt.wg);
-                release_task(i);
+                combine<kMathCombineSlots>(t - tasks.l2_end(), 128 * mt.wg + mt.tid, mt.tid, 128, kBarrierMathBase + mt.wg,
+                                           [&] { release_task(i); });
             }
         }
     }
