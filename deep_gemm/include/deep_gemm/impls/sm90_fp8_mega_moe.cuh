@@ -654,11 +654,13 @@ struct Kernel {
             is_l1 = t >= tasks.pull_end() and t < tasks.l1_end();
             const bool is_l2 = t >= tasks.l1_end() and t < tasks.l2_end();
             if (t >= tasks.l2_end()) {
-                // A combine task: the math releases its slot once combine_ready is in (math()); claim
-                // the next ticket only then, so that a CTA waiting for combine_ready holds one task,
-                // not a ring of them (an abort ends the wait; the next claim then leaves)
-                bounded_wait(p, sm.ctrl, Phase::kPipeline, p.rank,
-                             [&] { return mbarrier_try_wait(sm.ring_empty + slot, (i / kMegaMoETaskRing) & 1); });
+                // A combine task: the math releases its slot once combine_ready is in (math()); while
+                // other combine tasks are left, claim the next ticket only then, so that a CTA waiting
+                // for combine_ready holds one task, not a ring of them (an abort ends the wait; the
+                // next claim then leaves). After the last one the next ticket ends the CTA: claim it now.
+                if (t + 1 < total)
+                    bounded_wait(p, sm.ctrl, Phase::kPipeline, p.rank,
+                                 [&] { return mbarrier_try_wait(sm.ring_empty + slot, (i / kMegaMoETaskRing) & 1); });
                 continue;
             }
             if (not is_l1 and not is_l2) continue;
