@@ -275,3 +275,16 @@ def test_public_names():
         if callable(obj):
             assert obj.__doc__, name
     assert issubclass(SymmBuffer, object)
+
+
+def test_launcher_bounds_the_combine_index():
+    # The launcher's own last checks (the entry points check n against the buffer first): the kernel
+    # indexes y's 16-byte chunks, n * hidden / 8 of them, in int32. Raised before any device work.
+    from deep_gemm import _C
+    n, hidden = 2 ** 28, 128
+    args = [1, [1], 0, 8, n, 2, hidden, 128, n] + [0] * 11 + [0.0, True, 1.0, 132, 232448, True]
+    with pytest.raises(ValueError, match='num_tokens \\* hidden / 8 < 2\\^31 \\(hidden = 128\\)'):
+        _C.launch_mega_moe(*args)
+    args[8] = n + 1
+    with pytest.raises(ValueError, match='num_tokens: expected 0 <= num_tokens <= num_max_tokens_per_rank'):
+        _C.launch_mega_moe(*args)

@@ -28,6 +28,10 @@ inline void register_apis(py::module_& m) {
               if (num_tokens < 0 or num_tokens > num_max_tokens_per_rank)
                   throw std::invalid_argument("num_tokens: expected 0 <= num_tokens <= num_max_tokens_per_rank = " +
                                               std::to_string(num_max_tokens_per_rank));
+              // The combine indexes y's 16-byte chunks in int32
+              if (static_cast<int64_t>(num_tokens) * (hidden / 8) >= (int64_t(1) << 31))
+                  throw std::invalid_argument("num_tokens: expected num_tokens * hidden / 8 < 2^31 (hidden = " +
+                                              std::to_string(hidden) + ")");
               jit_kernels::SM90MegaMoEArgs a{static_cast<MmaType>(mma_type), buffers, rank, num_experts,
                                              num_max_tokens_per_rank, num_topk, hidden, intermediate_hidden, num_tokens,
                                              y, l1_weights, l1_weight_scales, l1_weight_deltas, l2_weights, l2_weight_scales,

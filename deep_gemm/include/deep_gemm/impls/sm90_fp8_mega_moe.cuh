@@ -540,16 +540,14 @@ struct Kernel {
     // Combine tasks split y's 16-byte chunks (n x hidden / 8, token-major) into equal contiguous
     // ranges: as many tasks as one chunk per combine thread gives, at most one per CTA, so that
     // decode spreads its few rows over many CTAs (one round trip each) and prefill has no more
-    // tasks than CTAs. A CTA holds at most one combine task while it waits for combine_ready (the
-    // scheduler claims its next ticket once the math has started it), so none hoards them.
+    // tasks than CTAs (a CTA holds one combine task at a time: scheduler()).
     struct CombineRange { int first, last; };
+    __device__ int combine_chunks() const { return p.num_tokens * (lay.hidden / 8); }   // < 2^31: checked with the layout
     __device__ int num_combine_tasks() const {
-        const int64_t chunks = static_cast<int64_t>(p.num_tokens) * (lay.hidden / 8);
-        return static_cast<int>(min_of<int64_t>(gridDim.x, ceil_div<int64_t>(chunks, kNumCombineThreads)));
+        return min_of(static_cast<int>(gridDim.x), ceil_div(combine_chunks(), kNumCombineThreads));
     }
     __device__ CombineRange combine_range(int c) const {
-        const int chunks = p.num_tokens * (lay.hidden / 8);
-        const int per_task = ceil_div(chunks, tasks.num_combine);
+        const int chunks = combine_chunks(), per_task = ceil_div(chunks, tasks.num_combine);
         return {c * per_task, min_of(chunks, (c + 1) * per_task)};
     }
 
@@ -651,8 +649,7 @@ struct Kernel {
             mbarrier_arrive(sm.ring_full + slot);
             if (t >= total) break;
 
-            is_l1 = t >= tasks.pull_end() and t < tasks.l1_end();
-            const bool is_l2 = t >= tasks.l1_end() and t < tasks.l2_end();
+            if (t < tasks.pull_end()) continue;   // the dispatch warps'
             if (t >= tasks.l2_end()) {
                 // A combine task: the math releases its slot once combine_ready is in (math()); while
                 // other combine tasks are left, claim the next ticket only then, so that a CTA waiting
@@ -663,7 +660,7 @@ struct Kernel {
                                  [&] { return mbarrier_try_wait(sm.ring_empty + slot, (i / kMegaMoETaskRing) & 1); });
                 continue;
             }
-            if (not is_l1 and not is_l2) continue;
+            is_l1 = t < tasks.l1_end();
             const int idx = is_l1 ? t - tasks.pull_end() : t - tasks.l1_end();
             const int nblocks = is_l1 ? tasks.num_l1_nblocks : tasks.num_l2_nblocks;
             // split-K L1: consecutive tasks are the K parts of one tile (math(): the same rule)
