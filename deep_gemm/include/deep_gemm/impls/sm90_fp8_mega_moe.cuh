@@ -294,24 +294,37 @@ struct Kernel {
         for (int e = threadIdx.x; e < num_experts; e += kNumThreads) counts[e] = 0;
         __syncthreads();
 
+        // kCountBatch routing entries per thread loaded before any is used: one round trip per batch
+        // instead of one per entry (prefill: ~85 entries per thread, 33-39 us counted one by one)
         const auto* topk_idx = mine<int64_t>(lay.topk_idx);
-        for (int i = threadIdx.x; i < p.num_tokens * num_topk; i += kNumThreads) {
-            const int64_t e = topk_idx[i];
-            if (e == -1) continue;
-            if (e < -1 or e >= num_experts) {   // never used as an index: flagged, treated as masked
-                report(p, StatusCode::kBadExpertId, Phase::kCount, p.rank, i / num_topk, false, sm.ctrl);
-                continue;
+        constexpr int kCountBatch = 8;
+        const int num_pairs = p.num_tokens * num_topk;
+        for (int base = threadIdx.x; base < num_pairs; base += kCountBatch * kNumThreads) {
+            int64_t batch[kCountBatch];
+            #pragma unroll
+            for (int b = 0; b < kCountBatch; ++b) batch[b] = base + b * kNumThreads < num_pairs ? topk_idx[base + b * kNumThreads] : -1;
+            #pragma unroll 1
+            for (int b = 0; b < kCountBatch; ++b) {
+                const int i = base + b * kNumThreads;
+                const int64_t e = batch[0];   // shifted down, not indexed by b: the batch stays in registers
+                #pragma unroll
+                for (int q = 0; q + 1 < kCountBatch; ++q) batch[q] = batch[q + 1];
+                if (e == -1) continue;
+                if (e < -1 or e >= num_experts) {   // never used as an index: flagged, treated as masked
+                    report(p, StatusCode::kBadExpertId, Phase::kCount, p.rank, i / num_topk, false, sm.ctrl);
+                    continue;
+                }
+                const int slot = atomicAdd(&counts[e], 1);
+                if (slot >= n_max) {                // only possible when a token lists an expert twice
+                    report(p, StatusCode::kDuplicateExpert, Phase::kCount, p.rank, i / num_topk, false, sm.ctrl);
+                    // Mask it in this buffer's routing copy so the combine skips the slot (its combine row
+                    // is never written this call)
+                    mine<int64_t>(lay.topk_idx)[i] = -1;
+                    continue;
+                }
+                const int owner = static_cast<int>(e) / lay.num_local_experts, le = static_cast<int>(e) % lay.num_local_experts;
+                peer<int>(owner, lay.src_index)[(static_cast<int64_t>(le) * lay.num_ranks + p.rank) * n_max + slot] = i;
             }
-            const int slot = atomicAdd(&counts[e], 1);
-            if (slot >= n_max) {                // only possible when a token lists an expert twice
-                report(p, StatusCode::kDuplicateExpert, Phase::kCount, p.rank, i / num_topk, false, sm.ctrl);
-                // Mask it in this buffer's routing copy so the combine skips the slot (its combine row
-                // is never written this call)
-                mine<int64_t>(lay.topk_idx)[i] = -1;
-                continue;
-            }
-            const int owner = static_cast<int>(e) / lay.num_local_experts, le = static_cast<int>(e) % lay.num_local_experts;
-            peer<int>(owner, lay.src_index)[(static_cast<int64_t>(le) * lay.num_ranks + p.rank) * n_max + slot] = i;
         }
         // release: the owner's pull must see the source indices written above
         fence_peers();
