@@ -16,7 +16,7 @@
 #include <cstdio>
 #include <cstdlib>
 
-#include "probe_mbarrier.cuh"
+#include "probe_common.cuh"
 
 constexpr int kCodeBytes = 8192;     // one 128-row x 64-byte packed block
 constexpr int kDeltaBytes = 512;     // its deltas
@@ -92,16 +92,7 @@ int main() {
     for (int stages : {4, 6, 8, 12}) {
         const int smem = stages * kStageBytes + 2 * stages * 8;
         if (smem > 232448) continue;
-        float best = 1e30f;
-        for (int rep = 0; rep < 3; ++rep) {
-            cudaEventRecord(e0);
-            stream<<<g, 64, smem>>>(codes, deltas, a, stages, kb_per_cta, hold);
-            cudaEventRecord(e1);
-            cudaEventSynchronize(e1);
-            float ms = 0;
-            cudaEventElapsedTime(&ms, e0, e1);
-            if (ms < best) best = ms;
-        }
+        const float best = best_of_3_ms(e0, e1, [&] { stream<<<g, 64, smem>>>(codes, deltas, a, stages, kb_per_cta, hold); });
         const cudaError_t err = cudaGetLastError();
         if (err != cudaSuccess) { std::printf("error: %s\n", cudaGetErrorString(err)); return 1; }
         const double bytes = double(g) * kb_per_cta * 2 * (kCodeBytes + kDeltaBytes);

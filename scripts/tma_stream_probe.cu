@@ -17,7 +17,7 @@
 #include <cstdio>
 #include <cstdlib>
 
-#include "probe_mbarrier.cuh"
+#include "probe_common.cuh"
 
 constexpr int kKBytes = 2048;       // row length of the weight matrix (mid shape: hidden 2048, FP8)
 constexpr int kNumKb = kKBytes / 128;
@@ -119,16 +119,9 @@ int main() {
         if (smem > 232448) continue;
         const int slabs = 8;
         if (static_cast<uint64_t>(g) * slabs * kTileRows > rows) continue;
-        float best = 1e30f;
-        for (int rep = 0; rep < 3; ++rep) {
-            cudaEventRecord(e0);
+        const float best = best_of_3_ms(e0, e1, [&] {
             stream<<<g, 64, smem>>>(layout == 0 ? tm_row0 : tm_row1, tm_blk, tm_a, layout, stages, slabs, hold, use_a);
-            cudaEventRecord(e1);
-            cudaEventSynchronize(e1);
-            float ms = 0;
-            cudaEventElapsedTime(&ms, e0, e1);
-            if (ms < best) best = ms;
-        }
+        });
         const cudaError_t err = cudaGetLastError();
         if (err != cudaSuccess) { std::printf("error: %s\n", cudaGetErrorString(err)); return 1; }
         const double bytes = double(g) * slabs * kNumKb * kBBytes;

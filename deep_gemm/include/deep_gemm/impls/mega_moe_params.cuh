@@ -94,7 +94,7 @@ DG_HOST_DEVICE constexpr int mega_moe_stage_weight_sf_bytes(MmaType t) { return 
 // 128-byte multiple block_m * 4) is a valid destination for the deltas' tensor copy
 DG_HOST_DEVICE constexpr int mega_moe_stage_extra_bytes(MmaType t, int block_m) {
     const int bytes = mega_moe_stage_sf_bytes(t, block_m) + mega_moe_stage_deltas_bytes(t) + mega_moe_stage_weight_sf_bytes(t);
-    return t == MmaType::kFP8xFP4 ? (bytes + 127) / 128 * 128 : bytes;
+    return t == MmaType::kFP8xFP4 ? align_up(bytes, 128) : bytes;
 }
 // K-blocks of one GEMM: bounds hidden and intermediate_hidden (checked by the host at layout time)
 constexpr int kMegaMoEMaxKBlocks = 128;

@@ -555,7 +555,7 @@ struct Kernel {
     // decode spreads its few rows over many CTAs (one round trip each) and prefill has no more
     // tasks than CTAs (a CTA holds one combine task at a time: scheduler()).
     struct CombineRange { int first, last; };
-    __device__ int combine_chunks() const { return p.num_tokens * (lay.hidden / 8); }   // < 2^31: checked with the layout
+    __device__ int combine_chunks() const { return p.num_tokens * (lay.hidden / 8); }   // < 2^31: checked at launch (csrc/apis/mega_moe.hpp)
     __device__ int num_combine_tasks() const {
         return min_of(static_cast<int>(gridDim.x), ceil_div(combine_chunks(), kNumCombineThreads));
     }

@@ -1,8 +1,9 @@
-// mbarrier helpers shared by the standalone stream probes (tma_stream_probe.cu,
-// fp4_stream_probe.cu), which build with a bare `nvcc -arch=sm_90a` and so do not include the
-// package's headers.
+// Helpers shared by the standalone stream probes (tma_stream_probe.cu, fp4_stream_probe.cu), which
+// build with a bare `nvcc -arch=sm_90a` and so do not include the package's headers: mbarriers, and
+// the best of three timed launches.
 #pragma once
 #include <cstdint>
+#include <cuda_runtime.h>
 
 __device__ __forceinline__ uint32_t sa(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
 __device__ __forceinline__ void mb_init(uint64_t* b, uint32_t n) { asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(sa(b)), "r"(n)); }
@@ -15,4 +16,20 @@ __device__ __forceinline__ void mb_wait(uint64_t* b, uint32_t parity) {
     while (!done)
         asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
                      : "=r"(done) : "r"(sa(b)), "r"(parity) : "memory");
+}
+
+// Milliseconds of the fastest of three runs of launch() (events e0, e1 around each)
+template <typename Launch>
+float best_of_3_ms(cudaEvent_t e0, cudaEvent_t e1, Launch&& launch) {
+    float best = 1e30f;
+    for (int rep = 0; rep < 3; ++rep) {
+        cudaEventRecord(e0);
+        launch();
+        cudaEventRecord(e1);
+        cudaEventSynchronize(e1);
+        float ms = 0;
+        cudaEventElapsedTime(&ms, e0, e1);
+        if (ms < best) best = ms;
+    }
+    return best;
 }
