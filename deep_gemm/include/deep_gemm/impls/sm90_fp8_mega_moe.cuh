@@ -51,6 +51,15 @@ constexpr int kBarrierMathDecide = 6;   // + math warpgroup (6, 7) when each dec
 constexpr int kLaunchRegisters = 168;
 // How often a spin loop looks at the global status word and the clock
 constexpr uint32_t kPollMask = 63;
+// Suspend-time hints (ns) of the waits that are mostly idle: a role waiting for its next task in
+// the ring (the dispatch warps see every task, and pull only a few), and the producer waiting for a
+// free stage (the math is the slow side of the ring). The default try_wait comes back after ~70
+// cycles, so those waits spun through a fifth of the kernel's instructions at FP8 x FP4 decode
+// (Nsight Compute, docs/PERF.md), issue slots taken from the math warps of the same scheduler. A
+// suspended thread wakes when the phase completes; the hint only bounds the sleep (and so, times
+// kPollMask, how late an idle role sees an abort).
+constexpr uint32_t kRingSuspendNs = 2000;
+constexpr uint32_t kStageSuspendNs = 2000;
 
 struct SharedControl {
     int first_task;
@@ -732,7 +741,7 @@ struct Kernel {
             auto claim_stage = [&](uint32_t it) {
                 const int s = it % kNumStages;
                 if (not bounded_wait(p, sm.ctrl, Phase::kPipeline, p.rank,
-                                     [&] { return mbarrier_try_wait(sm.empty + s, ((it / kNumStages) & 1) ^ 1); }))
+                                     [&] { return mbarrier_try_wait_suspend<kStageSuspendNs>(sm.empty + s, ((it / kNumStages) & 1) ^ 1); }))
                     return false;
                 mbarrier_expect_tx(sm.full + s, stage_bytes);
                 const int kb = static_cast<int>(it - stage_iter) + kb0;
@@ -859,7 +868,7 @@ struct Kernel {
     __device__ int next_task(int i, int total, bool release = true) {
         const int slot = i % kMegaMoETaskRing;
         const bool ok = bounded_wait(p, sm.ctrl, Phase::kPipeline, p.rank,
-                                     [&] { return mbarrier_try_wait(sm.ring_full + slot, (i / kMegaMoETaskRing) & 1); });
+                                     [&] { return mbarrier_try_wait_suspend<kRingSuspendNs>(sm.ring_full + slot, (i / kMegaMoETaskRing) & 1); });
         const int t = ok ? sm.ring_task[slot] : total;
         if (release) release_task(i);
         return t;
@@ -885,6 +894,7 @@ struct Kernel {
     // both at once instead of one after the other, and each runs half of every epilogue.
     struct MathThread {
         int wg, tid, warp, lane;
+        bool tracer;   // thread 0 of its warpgroup, in a traced call: writes the K-loop's trace stamps
         __device__ int row_in_tile(int half) const { return (kSplitN ? 0 : wg * 64) + warp * 16 + lane / 4 + 8 * half; }
         __device__ int row0() const { return kSplitN ? 0 : wg * 64; }   // first tile row of this warpgroup
     };
@@ -929,11 +939,15 @@ struct Kernel {
     __device__ bool task_stages_dead(uint32_t stage_iter) const {
         return stage_iter - 1 >= static_cast<uint32_t>(ld_volatile_shared_s32(smem_addr(sm.ctrl) + offsetof(SharedControl, dead_from)));
     }
-    // wait_full for L1 K-block kb, with its trace stamps (scripts/trace.py: first stage, K-block cadence)
+    // wait_full for L1 K-block kb, with its trace stamps (scripts/trace.py: first stage, K-block
+    // cadence). One predicate per K-block when not tracing (mt.tracer: decided once per call): the
+    // stamps' own tests, each K-block, were ~8 % of the FP8 x FP4 decode L1 loop's stall samples.
     __device__ bool wait_full_l1(int kb, uint32_t stage_iter, const MathThread& mt) {
         if (not wait_full(stage_iter)) return false;
-        if (kb == 0 and mt.tid == 0) trace(kTraceL1FirstStage, true);
-        if (kb < kTraceKbSlots and mt.tid == 0 and mt.wg == 0) trace(kTraceKbReady + kb, true);
+        if (mt.tracer and kb < kTraceKbSlots) {
+            if (kb == 0) trace(kTraceL1FirstStage, true);
+            if (mt.wg == 0) trace(kTraceKbReady + kb, true);
+        }
         return true;
     }
     // Every lane's reads of the stage (wgmma and the scales in it) happen before its warp's arrival
@@ -1381,6 +1395,10 @@ struct Kernel {
                                        float (&tok_w)[2]) {
         const NarrowThread nt(mt);
         const uint32_t gate_offset = mt.wg * 64 * 128, up_offset = gate_offset + 128 * 128;
+        // Read in the first K-block (after its stage wait); the address outside the loop, so that
+        // the K-blocks after it pay only the two predicated loads
+        const float* tok_w_src = narrow_token_weights(m, nt);
+        const auto read_token_weights = [&] { tok_w[0] = __ldcg(tok_w_src), tok_w[1] = __ldcg(tok_w_src + 1); };
         #pragma unroll
         for (int i = 0; i < 4; ++i) gate[i] = up[i] = 0.0f;
         for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
@@ -1405,7 +1423,7 @@ struct Kernel {
                     mma::FP8MmaN8::fma_k_block(du, dt, part_u, false);
                 }
                 mma::warpgroup_commit();
-                if (kb == 0) narrow_read_token_weights(m, nt, tok_w);
+                if (kb == 0) read_token_weights();
                 mma::warpgroup_wait<0>();
                 mma::fence_operands(part_g), mma::fence_operands(part_u);
                 if constexpr (kFP4) mma::fence_fragments(ag), mma::fence_fragments(au);
@@ -1421,7 +1439,7 @@ struct Kernel {
                 mma::BF16MmaN8::fma_k_block(dg, dt, gate, kb > 0);
                 mma::BF16MmaN8::fma_k_block(du, dt, up, kb > 0);
                 mma::warpgroup_commit();
-                if (kb == 0) narrow_read_token_weights(m, nt, tok_w);
+                if (kb == 0) read_token_weights();
                 mma::warpgroup_wait<0>();
                 mma::fence_operands(gate), mma::fence_operands(up);
                 release_stage(stage_iter, mt);
@@ -1471,10 +1489,8 @@ struct Kernel {
         return true;
     }
 
-    __device__ void narrow_read_token_weights(int m, const NarrowThread& nt, float (&tok_w)[2]) {
-        const float* w = mine<float>(lay.row_weight) + static_cast<int64_t>(m) * BLOCK_M + nt.c0;
-        tok_w[0] = __ldcg(w);
-        tok_w[1] = __ldcg(w + 1);
+    __device__ const float* narrow_token_weights(int m, const NarrowThread& nt) const {
+        return mine<float>(lay.row_weight) + static_cast<int64_t>(m) * BLOCK_M + nt.c0;
     }
 
     // L1 epilogue of a narrow tile: SwiGLU (+clamp) x top-k weight, then per token the FP8 amax
@@ -1668,6 +1684,7 @@ struct Kernel {
         mt.tid = static_cast<int>(threadIdx.x) - 128 * (wg + 1);
         mt.warp = mt.tid / 32;
         mt.lane = mt.tid % 32;
+        mt.tracer = p.trace != nullptr and mt.tid == 0;
         const int total = tasks.total();
         uint32_t stage_iter = 0;
         for (int i = 0;; ++i) {

@@ -23,8 +23,13 @@ __device__ __forceinline__ uint64_t make_k_major_sw128_desc(const void* smem_til
 }
 
 // Advance a descriptor along K by `bytes` inside the 128-byte swizzle row (the hardware applies
-// the swizzle to the final address, so a plain offset of the start address is correct).
-__device__ __forceinline__ uint64_t advance_desc(uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); }
+// the swizzle to the final address, so a plain offset of the start address is correct). Only the
+// low word changes: its start-address field (14 bits, shared memory / 16) plus the offset stays far
+// below 2^32, so a 32-bit add (one instruction, no carry into the constant high word) does it.
+__device__ __forceinline__ uint64_t advance_desc(uint64_t desc, uint32_t bytes) {
+    const uint32_t lo = static_cast<uint32_t>(desc) + (bytes >> 4);
+    return (desc & 0xFFFFFFFF00000000ull) | lo;
+}
 
 __device__ __forceinline__ void warpgroup_arrive() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void warpgroup_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }

@@ -80,6 +80,21 @@ __device__ __forceinline__ bool mbarrier_try_wait(uint64_t* bar, uint32_t parity
         : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
     return done != 0;
 }
+// The same with a suspend-time hint: a thread whose phase is not complete may sleep up to
+// kSuspendNs (waking when the phase completes) instead of the hardware's default short while, so a
+// long wait issues few instructions. kSuspendNs = 0: the plain try_wait above.
+template <uint32_t kSuspendNs>
+__device__ __forceinline__ bool mbarrier_try_wait_suspend(uint64_t* bar, uint32_t parity) {
+    if constexpr (kSuspendNs == 0) {
+        return mbarrier_try_wait(bar, parity);
+    } else {
+        uint32_t done = 0;
+        asm volatile(
+            "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2, %3;\n selp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done) : "r"(smem_addr(bar)), "r"(parity), "n"(kSuspendNs) : "memory");
+        return done != 0;
+    }
+}
 
 // ---------------------------------------------------------------------------------------------
 // TMA (bulk tensor copies, plain sm_90)
@@ -118,6 +133,20 @@ __device__ __forceinline__ void bulk_load(void* smem_dst, const void* src, uint3
         :: "r"(smem_addr(smem_dst)), "l"(reinterpret_cast<uint64_t>(src)), "r"(bytes), "r"(smem_addr(bar))
         : "memory");
 }
+
+// Contiguous shared -> global copy through the TMA unit, in this thread's current bulk group
+// (bulk_commit closes it). `bytes`, both addresses: multiples of 16.
+__device__ __forceinline__ void bulk_store(void* dst, const void* smem_src, uint32_t bytes) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n"
+                 :: "l"(reinterpret_cast<uint64_t>(dst)), "r"(smem_addr(smem_src)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Until at most kPending of this thread's bulk groups are left with shared memory still to read
+template <int kPending>
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read %0;\n" :: "n"(kPending) : "memory"); }
+// Until at most kPending of this thread's bulk groups are left incomplete (their writes not yet done)
+template <int kPending>
+__device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group %0;\n" :: "n"(kPending) : "memory"); }
 
 // One 4-byte global -> shared copy (cp.async, not the TMA unit: too small for a bulk copy).
 // Completion is tracked by `cp_async_arrive_on` on an mbarrier, not by cp.async groups.
