@@ -108,10 +108,23 @@ DG_HOST_DEVICE constexpr int mega_moe_control_smem_bytes(int num_stages) {
 // below (bounds num_max_tokens_per_rank * num_topk, checked by the host)
 constexpr int kPullTokenBits = 29;
 static_assert(kMaxRanks <= (1 << (32 - kPullTokenBits)), "a rank index fits the bits above the token");
+// Prefill pulls (BLOCK_M = 128) move rows through shared memory with bulk copies: slot i (2 KB)
+// belongs to dispatch thread i, which loads a piece of a row into it and stores it into the pool,
+// so the pull has slots x 2 KB in flight instead of what the dispatch threads' registers hold
+// (96 x 64 B). It fits in what the stages leave of an H100 / H200 SM (FP8 / BF16: 3 stages use
+// 190 KB of 227; FP8 x FP4: 4 stages 211 KB); decode tiles (BLOCK_M = 64) pull a few rows and keep
+// every byte for their deeper rings. Per slot: the bytes and one mbarrier; +128 to align the slots.
+constexpr int kMegaMoEPullSlotBytes = 2048;
+DG_HOST_DEVICE constexpr int mega_moe_pull_slots(MmaType t, int block_m) {
+    return block_m == 128 ? (t == MmaType::kFP8xFP4 ? 8 : 16) : 0;
+}
+DG_HOST_DEVICE constexpr int mega_moe_pull_staging_bytes(MmaType t, int block_m) {
+    return mega_moe_pull_slots(t, block_m) == 0 ? 0 : mega_moe_pull_slots(t, block_m) * (kMegaMoEPullSlotBytes + 8) + 128;
+}
 DG_HOST_DEVICE constexpr int mega_moe_smem_bytes(MmaType t, int block_m, int num_stages) {
     // +1024: the dynamic shared-memory base is re-aligned to 1024 B for the swizzled tiles
     return num_stages * (mega_moe_stage_bytes(t, block_m) + mega_moe_stage_extra_bytes(t, block_m)) +
-           mega_moe_expanded_b_bytes(t) + mega_moe_epilogue_bytes(block_m) +
+           mega_moe_expanded_b_bytes(t) + mega_moe_epilogue_bytes(block_m) + mega_moe_pull_staging_bytes(t, block_m) +
            mega_moe_control_smem_bytes(num_stages) + 1024;
 }
 

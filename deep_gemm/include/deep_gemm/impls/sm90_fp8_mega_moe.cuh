@@ -189,6 +189,8 @@ struct Kernel {
         uint8_t* expanded_b;      // FP8 x FP4: the E4M3 B tile the wgmma reads, expanded from a stage
         uint8_t* epilogue;
         uint8_t* extras;          // [kNumStages][A scales | FP4 deltas | B weight scales]
+        uint8_t* pull_staging;    // [kPullSlots][kMegaMoEPullSlotBytes] prefill pulls (BLOCK_M 128), 128-aligned
+        uint64_t* pull_bars;      // [kPullSlots] one mbarrier per slot
         uint64_t* full;
         uint64_t* empty;
         uint64_t* ring_full;
@@ -206,6 +208,9 @@ struct Kernel {
             epilogue = expanded_b + mega_moe_expanded_b_bytes(kMmaType);
             extras = epilogue + mega_moe_epilogue_bytes(BLOCK_M);
             auto* c = extras + kNumStages * kStageExtraBytes;
+            pull_staging = reinterpret_cast<uint8_t*>(align_up<uintptr_t>(reinterpret_cast<uintptr_t>(c), 128));
+            pull_bars = reinterpret_cast<uint64_t*>(pull_staging + kPullSlots * kMegaMoEPullSlotBytes);
+            c += mega_moe_pull_staging_bytes(kMmaType, BLOCK_M);   // 0 without slots
             full = reinterpret_cast<uint64_t*>(c);
             empty = full + kNumStages;
             ring_full = empty + kNumStages;
@@ -438,13 +443,15 @@ struct Kernel {
     // batch holds at most as many chunks per thread as a scale has 16-byte chunks of activations
     static_assert(kPullInFlight <= kScaleGranularity / 16, "the pull's batches cover a row's scales");
     static constexpr uint32_t kPullNoRow = 0xffffffffu;
+    static constexpr int kPullSlots = mega_moe_pull_slots(kMmaType, BLOCK_M);
+    static_assert(kPullSlots <= kNumDispatchThreads, "a pull slot per dispatch thread");
+    static constexpr int kPullScalesInFlight = 8;   // bulk pulls: FP8 scale loads per thread before their stores
 
-    __device__ void pull(int m, int dispatch_thread) {
+    __device__ void pull(int m, int dispatch_thread, uint32_t& slot_uses) {
         const int le = expert_of_mblock(m);
         const int first_pos = (m - sm.mblock_begin[le]) * BLOCK_M;
         const int num_rows = valid_rows(m, le);
         const int num_ranks = lay.num_ranks, n_max = lay.num_max_tokens_per_rank, topk = lay.num_topk;
-        const int hidden = lay.hidden;
         const int64_t g0 = static_cast<int64_t>(m) * BLOCK_M;
         auto* row_info = mine<int>(lay.row_info);
         auto* row_weight = mine<float>(lay.row_weight);
@@ -504,8 +511,24 @@ struct Kernel {
         }
         named_barrier(kBarrierDispatch, kNumDispatchThreads);
 
-        // (2) Row bytes and scales: teams of 96 / min(rows, 3) threads, a row per team at a time, so
-        // a lone decode row gets every dispatch thread and a full M-block one warp per row
+        if constexpr (kPullSlots > 0) {
+            pull_rows_bulk(g0, num_rows, dispatch_thread, slot_uses);
+        } else {
+            pull_rows_registers(g0, num_rows, dispatch_thread);
+        }
+        // release: L1 TMA loads (async proxy, other CTAs) of this M-block must see the rows written
+        // above. Each thread fences its writes into the async proxy; after the barrier one release
+        // covers every thread's writes (cumulativity: the barrier orders them before it).
+        fence_proxy_async_global();
+        named_barrier(kBarrierDispatch, kNumDispatchThreads);
+        if (dispatch_thread == 0) red_release_gpu_add(mine<uint32_t>(lay.mblock_arrival) + m, 1), trace(kTracePullEnd);
+    }
+
+    // (2) Row bytes and scales (decode tiles): teams of 96 / min(rows, 3) threads, a row per team at
+    // a time, so a lone decode row gets every dispatch thread and a full M-block one warp per row
+    __device__ void pull_rows_registers(int64_t g0, int num_rows, int dispatch_thread) {
+        const int hidden = lay.hidden, topk = lay.num_topk;
+        auto* row_weight = mine<float>(lay.row_weight);
         const int num_teams = max_of(1, min_of(num_rows, kNumDispatchWarps));
         const int team_size = kNumDispatchThreads / num_teams;
         const int team = dispatch_thread / team_size, team_thread = dispatch_thread % team_size;
@@ -542,12 +565,76 @@ struct Kernel {
             }
             if (team_thread == 0) row_weight[g] = weight;
         }
-        // release: L1 TMA loads (async proxy, other CTAs) of this M-block must see the rows written
-        // above. Each thread fences its writes into the async proxy; after the barrier one release
-        // covers every thread's writes (cumulativity: the barrier orders them before it).
-        fence_proxy_async_global();
-        named_barrier(kBarrierDispatch, kNumDispatchThreads);
-        if (dispatch_thread == 0) red_release_gpu_add(mine<uint32_t>(lay.mblock_arrival) + m, 1), trace(kTracePullEnd);
+    }
+
+    // (2) Row bytes and scales (prefill tiles, kPullSlots > 0). Bytes: pieces of at most a slot
+    // (row r's bytes [o, o + 2 KB)); dispatch thread i < kPullSlots moves pieces i, i + kPullSlots,
+    // ... through its slot: bulk load, wait, bulk store into the pool row, and before the next load
+    // into the slot, wait until the store has read it. Its stores' writes are complete before the
+    // caller's fence and release. Scales and top-k weights: the other dispatch threads, generic
+    // loads and stores (kPullScalesInFlight per thread at a time).
+    __device__ void pull_rows_bulk(int64_t g0, int num_rows, int dispatch_thread, uint32_t& slot_uses) {
+        const int hidden = lay.hidden, topk = lay.num_topk;
+        const int row_bytes = hidden * kActBytes;
+        const int pieces_per_row = ceil_div(row_bytes, kMegaMoEPullSlotBytes);
+        auto* l1_act = mine<uint8_t>(lay.l1_act);
+        if (dispatch_thread < kPullSlots) {
+            uint8_t* slot = sm.pull_staging + dispatch_thread * kMegaMoEPullSlotBytes;
+            uint64_t* bar = sm.pull_bars + dispatch_thread;
+            for (int piece = dispatch_thread; piece < num_rows * pieces_per_row; piece += kPullSlots) {
+                const int r = piece / pieces_per_row, offset = (piece % pieces_per_row) * kMegaMoEPullSlotBytes;
+                const uint32_t packed = sm.pull_rows[r];
+                if (packed == kPullNoRow) continue;
+                const int src_rank = static_cast<int>(packed >> kPullTokenBits);
+                const int64_t token = static_cast<int>(packed & ((1u << kPullTokenBits) - 1)) / topk;
+                const uint32_t bytes = min_of(kMegaMoEPullSlotBytes, row_bytes - offset);
+                bulk_wait_read<0>();   // this slot's previous store has read it
+                mbarrier_arrive_expect_tx(bar, bytes);
+                bulk_load(slot, peer<uint8_t>(src_rank, lay.x) + token * row_bytes + offset, bytes, bar);
+                const uint32_t parity = slot_uses++ & 1;
+                if (not bounded_wait(p, sm.ctrl, Phase::kPull, src_rank, [&] { return mbarrier_try_wait(bar, parity); })) break;
+                fence_proxy_async_shared();   // the landed bytes, read next by the async proxy's store
+                bulk_store(l1_act + (g0 + r) * row_bytes + offset, slot, bytes);
+                bulk_commit();
+            }
+            bulk_wait<0>();
+        } else {
+            constexpr int kHelpers = kNumDispatchThreads - kPullSlots;
+            const int helper = dispatch_thread - kPullSlots;
+            auto* row_weight = mine<float>(lay.row_weight);
+            for (int r = helper; r < num_rows; r += kHelpers) {
+                const uint32_t packed = sm.pull_rows[r];
+                if (packed == kPullNoRow) continue;
+                const int src_rank = static_cast<int>(packed >> kPullTokenBits);
+                const int slot = static_cast<int>(packed & ((1u << kPullTokenBits) - 1));
+                row_weight[g0 + r] = __ldcg(peer<float>(src_rank, lay.topk_weights) + slot);
+            }
+            if constexpr (kFP8) {
+                // scale k of row r: scale index i = r * num_sf + k, kPullScalesInFlight at a time per helper
+                const int num_sf = hidden / kScaleGranularity, num = num_rows * num_sf;
+                auto* l1_sf = mine<float>(lay.l1_sf);
+                for (int i0 = helper; i0 < num; i0 += kHelpers * kPullScalesInFlight) {
+                    float v[kPullScalesInFlight];
+                    #pragma unroll
+                    for (int u = 0; u < kPullScalesInFlight; ++u) {
+                        const int i = i0 + kHelpers * u, r = i / num_sf;
+                        const uint32_t packed = i < num ? sm.pull_rows[r] : kPullNoRow;
+                        v[u] = 0.0f;
+                        if (packed != kPullNoRow) {
+                            const int src_rank = static_cast<int>(packed >> kPullTokenBits);
+                            const int64_t token = static_cast<int>(packed & ((1u << kPullTokenBits) - 1)) / topk;
+                            v[u] = __ldcg(peer<float>(src_rank, lay.x_sf) + token * num_sf + i % num_sf);
+                        }
+                    }
+                    #pragma unroll
+                    for (int u = 0; u < kPullScalesInFlight; ++u) {
+                        const int i = i0 + kHelpers * u;
+                        if (i < num and sm.pull_rows[i / num_sf] != kPullNoRow)
+                            l1_sf[static_cast<int64_t>(i % num_sf) * lay.num_pool_rows + g0 + i / num_sf] = v[u];
+                    }
+                }
+            }
+        }
     }
 
     // Combine: y[t] = sum over valid slots k (in order) of the BF16 rows (the GEMMs are over by
@@ -879,11 +966,12 @@ struct Kernel {
     __device__ void dispatch_worker() {
         const int dispatch_thread = static_cast<int>(threadIdx.x) - 32;
         const int total = tasks.total();
+        uint32_t slot_uses = 0;   // bulk pulls: how often this thread's slot was filled (its mbarrier's phase)
         for (int i = 0;; ++i) {
             const int t = next_task(i, total);
             // one decision for the whole group (its next named barrier needs every thread)
             if (named_barrier_or(kBarrierDispatchDecide, kNumDispatchThreads, t >= total or sm.ctrl->abort)) break;
-            if (t < tasks.pull_end()) pull(t, dispatch_thread);
+            if (t < tasks.pull_end()) pull(t, dispatch_thread, slot_uses);
         }
     }
 
@@ -1759,6 +1847,7 @@ struct Kernel {
                 mbarrier_init(sm.ring_full + r, 1);
                 mbarrier_init(sm.ring_empty + r, kNumRingConsumers);
             }
+            for (int i = 0; i < kPullSlots; ++i) mbarrier_init(sm.pull_bars + i, 1);   // its dispatch thread
             fence_barrier_init();
             // Written by the previous launch on this stream (or reset()): a plain load suffices
             ctrl->epoch = control[L::kControlEpoch] + 1;
