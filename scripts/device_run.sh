@@ -3,13 +3,17 @@
 # Python, run the GPU tests and a short benchmark, leave logs under $OUT.
 #
 #   run(command="bash scripts/device_run.sh [pytest args...]", carry=[".whl", ".jit_cache"])
+#   DG_TESTS_TIMEOUT_S: the tests' hard limit (default 420 s; exit 124 when it hits)
 #
 # .whl holds nvidia-cutlass (CuTe headers); .jit_cache holds kernels compiled on the CPU machine
 # (`python scripts/prebuild_kernels.py`), so nvcc time is not spent on device time.
 set -uo pipefail
 source scripts/device_setup.sh
 start=$(date +%s)
-python3 -m pytest -q -x -p no:cacheprovider --timeout=300 "${@:-tests}" 2>&1 | tee "$OUT/tests.log" | tail -40
+# A hard limit around pytest: `--timeout` cannot end a test whose kernel hangs (its Python thread sits
+# in a CUDA synchronize), which would spend the whole device call (docs/PERF.md, session 13)
+timeout -k 10 "${DG_TESTS_TIMEOUT_S:-420}" python3 -m pytest -q -x -p no:cacheprovider --timeout=300 "${@:-tests}" 2>&1 \
+    | tee "$OUT/tests.log" | tail -40
 status=${PIPESTATUS[0]}
 echo "tests took $(( $(date +%s) - start )) s, exit $status"
 if [ "${DG_RUN_SANITIZER:-0}" = "1" ]; then
