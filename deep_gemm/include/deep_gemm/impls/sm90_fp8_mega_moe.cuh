@@ -443,6 +443,11 @@ struct Kernel {
     // batch holds at most as many chunks per thread as a scale has 16-byte chunks of activations
     static_assert(kPullInFlight <= kScaleGranularity / 16, "the pull's batches cover a row's scales");
     static constexpr uint32_t kPullNoRow = 0xffffffffu;
+    // A pulled row's source from sm.pull_rows (not kPullNoRow)
+    struct PullSource { int rank, slot; };
+    __device__ static PullSource pull_source(uint32_t packed) {
+        return {static_cast<int>(packed >> kPullTokenBits), static_cast<int>(packed & ((1u << kPullTokenBits) - 1))};
+    }
     static constexpr int kPullSlots = mega_moe_pull_slots(kMmaType, BLOCK_M);
     static_assert(kPullSlots <= kNumDispatchThreads, "a pull slot per dispatch thread");
     static constexpr int kPullScalesInFlight = 8;   // bulk pulls: FP8 scale loads per thread before their stores
@@ -539,8 +544,7 @@ struct Kernel {
         for (int r = team; r < num_rows and team < num_teams; r += num_teams) {
             const uint32_t packed = sm.pull_rows[r];
             if (packed == kPullNoRow) continue;
-            const int src_rank = static_cast<int>(packed >> kPullTokenBits);
-            const int slot = static_cast<int>(packed & ((1u << kPullTokenBits) - 1));
+            const auto [src_rank, slot] = pull_source(packed);
             const int64_t token = slot / topk, g = g0 + r;
             float weight = 0.0f;
             if (team_thread == 0) weight = __ldcg(peer<float>(src_rank, lay.topk_weights) + slot);
@@ -585,8 +589,8 @@ struct Kernel {
                 const int r = piece / pieces_per_row, offset = (piece % pieces_per_row) * kMegaMoEPullSlotBytes;
                 const uint32_t packed = sm.pull_rows[r];
                 if (packed == kPullNoRow) continue;
-                const int src_rank = static_cast<int>(packed >> kPullTokenBits);
-                const int64_t token = static_cast<int>(packed & ((1u << kPullTokenBits) - 1)) / topk;
+                const auto [src_rank, token_slot] = pull_source(packed);
+                const int64_t token = token_slot / topk;
                 const uint32_t bytes = min_of(kMegaMoEPullSlotBytes, row_bytes - offset);
                 bulk_wait_read<0>();   // this slot's previous store has read it
                 mbarrier_arrive_expect_tx(bar, bytes);
@@ -605,8 +609,7 @@ struct Kernel {
             for (int r = helper; r < num_rows; r += kHelpers) {
                 const uint32_t packed = sm.pull_rows[r];
                 if (packed == kPullNoRow) continue;
-                const int src_rank = static_cast<int>(packed >> kPullTokenBits);
-                const int slot = static_cast<int>(packed & ((1u << kPullTokenBits) - 1));
+                const auto [src_rank, slot] = pull_source(packed);
                 row_weight[g0 + r] = __ldcg(peer<float>(src_rank, lay.topk_weights) + slot);
             }
             if constexpr (kFP8) {
@@ -621,9 +624,8 @@ struct Kernel {
                         const uint32_t packed = i < num ? sm.pull_rows[r] : kPullNoRow;
                         v[u] = 0.0f;
                         if (packed != kPullNoRow) {
-                            const int src_rank = static_cast<int>(packed >> kPullTokenBits);
-                            const int64_t token = static_cast<int>(packed & ((1u << kPullTokenBits) - 1)) / topk;
-                            v[u] = __ldcg(peer<float>(src_rank, lay.x_sf) + token * num_sf + i % num_sf);
+                            const auto [src_rank, slot] = pull_source(packed);
+                            v[u] = __ldcg(peer<float>(src_rank, lay.x_sf) + static_cast<int64_t>(slot / topk) * num_sf + i % num_sf);
                         }
                     }
                     #pragma unroll
@@ -1028,8 +1030,9 @@ struct Kernel {
         return stage_iter - 1 >= static_cast<uint32_t>(ld_volatile_shared_s32(smem_addr(sm.ctrl) + offsetof(SharedControl, dead_from)));
     }
     // wait_full for L1 K-block kb, with its trace stamps (scripts/trace.py: first stage, K-block
-    // cadence). One predicate per K-block when not tracing (mt.tracer: decided once per call): the
-    // stamps' own tests, each K-block, were ~8 % of the FP8 x FP4 decode L1 loop's stall samples.
+    // cadence). One predicate per K-block when not tracing (mt.tracer: decided once per call)
+    // instead of the stamps' own tests (Nsight Compute put ~8 % of the FP8 x FP4 decode L1 loop's
+    // stall samples there; taking them out did not change the time: docs/PERF.md, session 13).
     __device__ bool wait_full_l1(int kb, uint32_t stage_iter, const MathThread& mt) {
         if (not wait_full(stage_iter)) return false;
         if (mt.tracer and kb < kTraceKbSlots) {
