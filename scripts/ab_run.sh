@@ -12,6 +12,8 @@
 #   run(command="AB_TESTS='tests/test_mega_moe_gpu.py' bash scripts/ab_run.sh fp8xfp8 2048 768 128 8 1 ...",
 #       carry=[".whl", ".jit_cache", "ab"])
 #
+# DG_TESTS_TIMEOUT_S bounds $AB_TESTS (scripts/device_run.sh; the usual GPU suite takes ~50 s, so
+# ~150 keeps a hanging variant from spending the whole call on its tests).
 # Builds _C, runs $AB_TESTS (default: the layout tests) on A, then scripts/time_fused.py on A and on
 # every variant, interleaved twice (A V1 V2 A V1 V2); log in $OUT/ab.log. AB_TREE_TESTS="tests/x.py -k y"
 # also runs those pytest args in every ab/<name>/ tree after its build (a branch checked in the same

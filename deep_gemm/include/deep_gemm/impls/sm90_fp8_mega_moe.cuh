@@ -228,6 +228,10 @@ struct Kernel {
             align_up(align_up(kNumStages * 16 + kMegaMoETaskRing * 20 + (2 * kMegaMoEMaxLocalExperts + 1) * 4 + L::kMaxBlockM * 4, 16) +
                      static_cast<int>(sizeof(SharedControl)), 16) + 256;
         static_assert(kControlBytesUsed <= mega_moe_control_smem_bytes(kNumStages), "control block outgrew its budget");
+        // The pull's slots and their mbarriers, after re-aligning to 128 B (at most 127 B lost), within the host's budget
+        static constexpr int kSlots = mega_moe_pull_slots(kMmaType, BLOCK_M);
+        static_assert(kSlots == 0 or kSlots * (kMegaMoEPullSlotBytes + 8) + 127 <= mega_moe_pull_staging_bytes(kMmaType, BLOCK_M),
+                      "pull staging outgrew its budget");
         // Stage addresses are computed, not stored: an array indexed by a run-time stage would live in local memory
         __device__ uint8_t* stage_a(int s) const { return stages + s * kStageBytes; }
         __device__ uint8_t* stage_b(int s) const { return stages + s * kStageBytes + kABytes; }
