@@ -31,7 +31,8 @@ def expected_smem(mma_type, block_m, stages):
     # the B tile's weight block scales (gate and up floats, padded to 16 bytes); FP4 adds per stage
     # the B tile's exponent deltas (256 rows x 4 bytes), and rounds those per-stage extras up to 128
     # bytes (the deltas' tensor copy lands at a 128-byte boundary). Prefill tiles (block_m 128) add
-    # the pull's staging slots: 16 (FP8 x FP4: 8) of 2 KB, an mbarrier each, 128 bytes of alignment.
+    # the pull's staging slots: 16 (FP8 x FP4: 8) of 2 KB, an mbarrier each, 128 bytes of alignment,
+    # and the bulk combine's mbarriers: 4 buffers per math warpgroup (its buffers are in the stages).
     block_k = 64 if mma_type == 'bf16xbf16' else 128
     elem = 2 if mma_type == 'bf16xbf16' else 1
     fp8 = mma_type != 'bf16xbf16'
@@ -46,7 +47,8 @@ def expected_smem(mma_type, block_m, stages):
     control = -(-(stages * 16 + 4 * 20 + (2 * 512 + 1) * 4 + 128 * 4 + 64 + 256) // 1024) * 1024
     pull_slots = (8 if fp4 else 16) if block_m == 128 else 0
     staging = pull_slots * (2048 + 8) + 128 if pull_slots else 0
-    return stages * (a + b) + expanded + epilogue + staging + control + 1024
+    combine_bars = 2 * 4 * 8 if block_m == 128 else 0
+    return stages * (a + b) + expanded + epilogue + staging + combine_bars + control + 1024
 
 
 def test_decode_picks_block_m_64_and_prefill_128():

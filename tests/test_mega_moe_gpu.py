@@ -116,6 +116,23 @@ def test_odd_k_block_counts_split_k_and_256_wide_l2(mma_type, n):
     check_case(mma_type, *ODD_256, [n], seed=17)
 
 
+# Prefill combines (BLOCK_M 128) bring y's top-k rows through shared memory in batches of 128
+# chunks x 8 top-k planes (combine_bulk): top-k 12 takes two plane batches per chunk group (the sums
+# carried between them), hidden 640 (80 chunks per token) makes batches straddle tokens, and the
+# masked slots and each warpgroup's half of a task end in partial batches.
+MANY_TOPK = (640, 256, 32, 12)
+
+
+@pytest.mark.parametrize('mma_type', FORMATS)
+def test_prefill_combine_many_topk(mma_type):
+    hidden, inter, experts, topk = MANY_TOPK
+    ns = [700, 451]
+    for n in ns:
+        block_m = kernel_variant(mma_type, len(ns), experts, topk, hidden, inter, n, _C.get_num_sms(), _max_smem(torch.device('cuda')))[1]
+        assert block_m == 128, f'BLOCK_M {block_m} at n = {n}: the case no longer covers the prefill combine'
+    check_case(mma_type, *MANY_TOPK, ns, seed=23, mask_frac=0.3)
+
+
 @pytest.mark.parametrize('mma_type', FORMATS)
 def test_masks_skew_and_empty_experts(mma_type):
     check_case(mma_type, *MID, [512], seed=1, mask_frac=0.3)

@@ -121,11 +121,25 @@ DG_HOST_DEVICE constexpr int mega_moe_pull_slots(MmaType t, int block_m) {
 DG_HOST_DEVICE constexpr int mega_moe_pull_staging_bytes(MmaType t, int block_m) {
     return mega_moe_pull_slots(t, block_m) == 0 ? 0 : mega_moe_pull_slots(t, block_m) * (kMegaMoEPullSlotBytes + 8) + 128;
 }
+// Prefill combines (BLOCK_M = 128) move the top-k rows of y's chunks through shared memory with bulk
+// copies: each math warpgroup owns kMegaMoECombineBufs buffers in its half of the pipeline stages
+// (idle once a CTA reaches its combine: every stage of the rank's GEMMs has been read when
+// combine_ready is in), each buffer one batch of up to kMegaMoECombinePlanes top-k planes of 128
+// 16-byte chunks, so a CTA has up to 2 x 4 x 16 KB of rows in flight where the register combine had
+// 256 x 4 x 16 B. Their mbarriers (one per buffer) are the only bytes this adds to the budget.
+constexpr int kMegaMoECombineBufs = 4;
+constexpr int kMegaMoECombineBatchChunks = 128;   // one 16-byte chunk of y per math thread of a warpgroup
+constexpr int kMegaMoECombinePlanes = 8;          // top-k planes per batch (more: several batches per chunk group)
+constexpr int kMegaMoECombineBufBytes = kMegaMoECombinePlanes * kMegaMoECombineBatchChunks * 16;
+DG_HOST_DEVICE constexpr bool mega_moe_has_bulk_combine(int block_m) { return block_m == 128; }
+DG_HOST_DEVICE constexpr int mega_moe_combine_bar_bytes(int block_m) {
+    return mega_moe_has_bulk_combine(block_m) ? kMegaMoENumMathWarpgroups * kMegaMoECombineBufs * 8 : 0;
+}
 DG_HOST_DEVICE constexpr int mega_moe_smem_bytes(MmaType t, int block_m, int num_stages) {
     // +1024: the dynamic shared-memory base is re-aligned to 1024 B for the swizzled tiles
     return num_stages * (mega_moe_stage_bytes(t, block_m) + mega_moe_stage_extra_bytes(t, block_m)) +
            mega_moe_expanded_b_bytes(t) + mega_moe_epilogue_bytes(block_m) + mega_moe_pull_staging_bytes(t, block_m) +
-           mega_moe_control_smem_bytes(num_stages) + 1024;
+           mega_moe_combine_bar_bytes(block_m) + mega_moe_control_smem_bytes(num_stages) + 1024;
 }
 
 // Phase timestamps per CTA when `MegaMoEParams::trace` is set (a development aid: where does a

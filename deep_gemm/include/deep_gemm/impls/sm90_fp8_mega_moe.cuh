@@ -45,6 +45,9 @@ constexpr int kBarrierMathAll = 4;   // every math warpgroup (FP4 tile expansion
 // bar.red decisions (leave on abort) get barriers of their own, apart from those that order data
 constexpr int kBarrierDispatchDecide = 5;
 constexpr int kBarrierMathDecide = 6;   // + math warpgroup (6, 7) when each decides alone
+// Prefill combine (bulk): each math warpgroup's buffers are refilled after a barrier of its own
+// (8, 9), never one across warpgroups: on abort each may leave its task loop alone
+constexpr int kBarrierCombineBase = 8;
 // Registers per thread the kernel is launched with: __launch_bounds__(384, 1) gives each thread
 // 65536 / 384 rounded down to a multiple of 8. `setmaxnreg` only moves registers between the
 // warpgroups of this pool (a CTA's 384 x 168): an increase the pool cannot cover waits forever.
@@ -191,6 +194,7 @@ struct Kernel {
         uint8_t* extras;          // [kNumStages][A scales | FP4 deltas | B weight scales]
         uint8_t* pull_staging;    // [kPullSlots][kMegaMoEPullSlotBytes] prefill pulls (BLOCK_M 128), 128-aligned
         uint64_t* pull_bars;      // [kPullSlots] one mbarrier per slot
+        uint64_t* combine_bars;   // [math warpgroup][kMegaMoECombineBufs] bulk combine (BLOCK_M 128)
         uint64_t* full;
         uint64_t* empty;
         uint64_t* ring_full;
@@ -211,6 +215,8 @@ struct Kernel {
             pull_staging = reinterpret_cast<uint8_t*>(align_up<uintptr_t>(reinterpret_cast<uintptr_t>(c), 128));
             pull_bars = reinterpret_cast<uint64_t*>(pull_staging + kPullSlots * kMegaMoEPullSlotBytes);
             c += mega_moe_pull_staging_bytes(kMmaType, BLOCK_M);   // 0 without slots
+            combine_bars = reinterpret_cast<uint64_t*>(c);
+            c += mega_moe_combine_bar_bytes(BLOCK_M);             // 0 without the bulk combine
             full = reinterpret_cast<uint64_t*>(c);
             empty = full + kNumStages;
             ring_full = empty + kNumStages;
@@ -232,6 +238,12 @@ struct Kernel {
         static constexpr int kSlots = mega_moe_pull_slots(kMmaType, BLOCK_M);
         static_assert(kSlots == 0 or kSlots * (kMegaMoEPullSlotBytes + 8) + 127 <= mega_moe_pull_staging_bytes(kMmaType, BLOCK_M),
                       "pull staging outgrew its budget");
+        // The bulk combine's buffer b of math warpgroup wg: in the warpgroup's half of the stages
+        static constexpr int kCombineHalfBytes = kNumStages * kStageBytes / kNumMathWGs;
+        static_assert(not mega_moe_has_bulk_combine(BLOCK_M) or
+                      (kCombineHalfBytes >= kMegaMoECombineBufs * kMegaMoECombineBufBytes and kCombineHalfBytes % 16 == 0),
+                      "each math warpgroup's combine buffers fit its half of the pipeline stages");
+        __device__ uint8_t* combine_buf(int wg, int b) const { return stages + wg * kCombineHalfBytes + b * kMegaMoECombineBufBytes; }
         // Stage addresses are computed, not stored: an array indexed by a run-time stage would live in local memory
         __device__ uint8_t* stage_a(int s) const { return stages + s * kStageBytes; }
         __device__ uint8_t* stage_b(int s) const { return stages + s * kStageBytes + kABytes; }
@@ -645,11 +657,13 @@ struct Kernel {
 
     // Combine: y[t] = sum over valid slots k (in order) of the BF16 rows (the GEMMs are over by
     // then), on the math warpgroups: a group is one warpgroup, `thread` its index among the
-    // kNumCombineThreads, kSlotsInFlight the top-k rows it loads at once (decode tiles 8: one round
-    // trip per chunk at top-k <= 8; prefill tiles 4: 8 would cost the BF16 128-row main loop its
-    // registers). The dispatch warps (40 registers) took a share with 128-row tiles until
-    // measured: without them mid / BF16 mid n = 4096 ran 6 % faster (docs/PERF.md).
-    static constexpr int kMathCombineSlots = kSplitN ? 8 : 4;
+    // kNumCombineThreads, kSlotsInFlight the top-k rows it loads at once (8: one round trip per
+    // chunk at top-k <= 8). Decode tiles (BLOCK_M 64) only: prefill tiles combine through shared
+    // memory (combine_bulk), whose bytes in flight registers could not hold (4 top-k rows per thread
+    // cost the BF16 128-row main loop registers already). The dispatch warps (40 registers) took a
+    // share with 128-row tiles until measured: without them mid / BF16 mid n = 4096 ran 6 % faster
+    // (docs/PERF.md).
+    static constexpr int kMathCombineSlots = 8;
     static constexpr int kNumCombineThreads = kNumMathThreads;
 
     // Combine tasks split y's 16-byte chunks (n x hidden / 8, token-major) into equal contiguous
@@ -1773,6 +1787,131 @@ struct Kernel {
             st_release_peers(lay.get_ptr<uint64_t>(p.buffers[r], lay.combine_ready) + p.rank, epoch);
     }
 
+    // Prefill combine (BLOCK_M = 128), the same sums in the same order as combine(), with the rows
+    // brought through shared memory. A combine task's chunks of y [first, last) are the same byte
+    // range of every top-k plane of the combine slots ([k][token][hidden], token-major like y), so
+    // a batch is one bulk copy per plane: chunks [c0, c0 + 128) of planes [k0, k0 + 8), into one of
+    // the warpgroup's kMegaMoECombineBufs buffers (16 KB each, its half of the stages), completed on
+    // that buffer's mbarrier. Each warpgroup takes half of the task's range and runs alone: its own
+    // buffers, mbarriers and barrier (no barrier spans the warpgroups: on abort each leaves its task
+    // loop by its own decision). Thread t sums chunk c0 + t over the valid planes of its token
+    // (FP32, k ascending: bit-identical to combine()), writes y after the last plane group, and the
+    // warpgroup's barrier (which also ORs the leave decision) frees the buffer for the batch
+    // kMegaMoECombineBufs ahead. `batches`: this warpgroup's batches so far (the mbarriers' phases).
+    //
+    // The stages are free: the wait for combine_ready includes this rank's own, raised after every
+    // math warpgroup of every CTA of the rank finished its L2 tasks (their wgmma reads of the stages
+    // complete before their epilogues); every stage the producer armed was waited for by the math
+    // before that, and after the first combine ticket the producer arms none (later tickets are
+    // combine tasks or the end).
+    template <typename OnReady>
+    __device__ void combine_bulk(int c, const MathThread& mt, uint32_t& batches, OnReady&& on_ready) {
+        // acquire: every rank has written its L2 rows for our tokens
+        if (mt.tid < lay.num_ranks) {
+            const auto* flag = mine<uint64_t>(lay.combine_ready) + mt.tid;
+            bounded_wait(p, sm.ctrl, Phase::kCombineWait, mt.tid, [&] { return ld_acquire_peers(flag) >= epoch; });
+        }
+        named_barrier(kBarrierMathBase + mt.wg, 128);
+        on_ready();
+        if (sm.ctrl->abort) return;
+        if (mt.wg == 0 and mt.tid == 0) trace(kTraceCombineReady, true);
+
+        constexpr int kChunks = kMegaMoECombineBatchChunks, kPlanes = kMegaMoECombinePlanes, kBufs = kMegaMoECombineBufs;
+        static_assert(kChunks == 128, "one chunk of a batch per thread of the warpgroup");
+        const int hidden = lay.hidden, topk = lay.num_topk, n_max = lay.num_max_tokens_per_rank;
+        const int chunks_per_token = hidden / 8;
+        const CombineRange range = combine_range(c);
+        const int half = ceil_div(range.last - range.first, kNumMathWGs);
+        const int first = range.first + mt.wg * half, last = min_of(range.last, first + half);
+        const int num_kgroups = ceil_div(topk, kPlanes);
+        const int num_batches = max_of(0, ceil_div(last - first, kChunks)) * num_kgroups;
+        const auto* slots = mine<uint8_t>(lay.combine);
+        const auto* topk_idx = mine<int64_t>(lay.topk_idx);
+        auto* y = static_cast<__nv_bfloat16*>(p.y);
+        uint64_t* bars = sm.combine_bars + mt.wg * kBufs;
+        const uint32_t q0 = batches;
+        // Batch b: chunk group b / num_kgroups, planes from (b % num_kgroups) * kPlanes (one thread issues)
+        auto issue = [&](int b) {
+            const int c0 = first + b / num_kgroups * kChunks, k0 = b % num_kgroups * kPlanes;
+            const int num_k = min_of(kPlanes, topk - k0);
+            const uint32_t bytes = static_cast<uint32_t>(min_of(kChunks, last - c0)) * 16;
+            const int buf = static_cast<int>((q0 + b) % kBufs);
+            uint8_t* dst = sm.combine_buf(mt.wg, buf);
+            mbarrier_arrive_expect_tx(bars + buf, bytes * num_k);
+            for (int dk = 0; dk < num_k; ++dk)
+                bulk_load(dst + dk * kChunks * 16, slots + static_cast<int64_t>(k0 + dk) * n_max * hidden * 2 + static_cast<int64_t>(c0) * 16,
+                          bytes, bars + buf);
+        };
+        if (mt.tid == 0) {
+            // the rows were written by generic stores (acquired above), the bulk copies read them
+            fence_proxy_async_global();
+            for (int b = 0; b < min_of(kBufs, num_batches); ++b) issue(b);
+        }
+        float sum[8];
+        bool leave = false;
+        int b = 0;
+        for (; b < num_batches; ++b) {
+            const int kg = b % num_kgroups, k0 = kg * kPlanes;
+            const int i = first + b / num_kgroups * kChunks + mt.tid;    // this thread's chunk of y
+            // Which planes of the chunk's token hold a row: loaded before the wait, so the loads
+            // overlap the batch's copies
+            uint32_t valid = 0;
+            if (i < last) {
+                const int64_t t = i / chunks_per_token;
+                #pragma unroll
+                for (int dk = 0; dk < kPlanes; ++dk) {
+                    const int64_t e = k0 + dk < topk ? topk_idx[t * topk + k0 + dk] : -1;
+                    if (e >= 0 and e < lay.num_experts) valid |= 1u << dk;
+                }
+            }
+            const uint32_t q = q0 + b;
+            const int buf = static_cast<int>(q % kBufs);
+            leave = not bounded_wait(p, sm.ctrl, Phase::kCombineWait, p.rank, [&] { return mbarrier_try_wait(bars + buf, (q / kBufs) & 1); });
+            if (not leave and i < last) {
+                if (kg == 0) {
+                    #pragma unroll
+                    for (int j = 0; j < 8; ++j) sum[j] = 0.0f;
+                }
+                const uint32_t src = smem_addr(sm.combine_buf(mt.wg, buf)) + mt.tid * 16;
+                #pragma unroll
+                for (int dk = 0; dk < kPlanes; ++dk) {
+                    if (not (valid >> dk & 1)) continue;    // fixed order: k ascending
+                    const uint4 v = ld_shared_v4(src + dk * kChunks * 16);
+                    const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+                    #pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        const float2 f = __bfloat1622float2(h[j]);
+                        sum[2 * j] += f.x, sum[2 * j + 1] += f.y;
+                    }
+                }
+                if (kg == num_kgroups - 1) {
+                    int4 out;
+                    auto* o = reinterpret_cast<__nv_bfloat162*>(&out);
+                    #pragma unroll
+                    for (int j = 0; j < 4; ++j) o[j] = __floats2bfloat162_rn(sum[2 * j], sum[2 * j + 1]);
+                    *reinterpret_cast<int4*>(y + static_cast<int64_t>(i) * 8) = out;
+                }
+            }
+            // Every thread has read the buffer before it is refilled, and all agree whether to go on
+            if (named_barrier_or(kBarrierCombineBase + mt.wg, 128, leave)) break;
+            if (mt.tid == 0 and b + kBufs < num_batches) issue(b + kBufs);
+        }
+        if (b < num_batches) {
+            // Left on abort: batches b .. b + kBufs - 1 may still be landing in shared memory; wait for
+            // them (bounded) so that no bulk write reaches shared memory after the CTA has exited
+            if (mt.tid == 0) {
+                const uint64_t start = globaltimer_ns();
+                for (int r = b; r < min_of(num_batches, b + kBufs); ++r) {
+                    const uint32_t q = q0 + r;
+                    while (not mbarrier_try_wait(bars + q % kBufs, (q / kBufs) & 1) and globaltimer_ns() - start < p.timeout_ns) {}
+                }
+            }
+            return;
+        }
+        batches += num_batches;
+        if (mt.wg == 0 and mt.tid == 0) trace(kTraceCombineEnd);
+    }
+
     __device__ void math(int wg) {
         MathThread mt;
         mt.wg = wg;
@@ -1782,6 +1921,7 @@ struct Kernel {
         mt.tracer = p.trace != nullptr and mt.tid == 0;
         const int total = tasks.total();
         uint32_t stage_iter = 0;
+        uint32_t combine_batches = 0;   // bulk combine: this warpgroup's batches so far (its mbarriers' phases)
         for (int i = 0;; ++i) {
             const int t = next_task(i, total, false);
             const bool is_combine = t >= tasks.l2_end() and t < total;
@@ -1832,8 +1972,11 @@ struct Kernel {
                 }
                 if (mt.tid == 0) trace(kTraceL2End);
             } else if (is_combine) {
-                combine<kMathCombineSlots>(t - tasks.l2_end(), 128 * mt.wg + mt.tid, mt.tid, 128, kBarrierMathBase + mt.wg,
-                                           [&] { release_task(i); });
+                if constexpr (mega_moe_has_bulk_combine(BLOCK_M))
+                    combine_bulk(t - tasks.l2_end(), mt, combine_batches, [&] { release_task(i); });
+                else
+                    combine<kMathCombineSlots>(t - tasks.l2_end(), 128 * mt.wg + mt.tid, mt.tid, 128, kBarrierMathBase + mt.wg,
+                                               [&] { release_task(i); });
             }
         }
     }
@@ -1855,6 +1998,8 @@ struct Kernel {
                 mbarrier_init(sm.ring_empty + r, kNumRingConsumers);
             }
             for (int i = 0; i < kPullSlots; ++i) mbarrier_init(sm.pull_bars + i, 1);   // its dispatch thread
+            if constexpr (mega_moe_has_bulk_combine(BLOCK_M))
+                for (int i = 0; i < kNumMathWGs * kMegaMoECombineBufs; ++i) mbarrier_init(sm.combine_bars + i, 1);   // the issuing thread
             fence_barrier_init();
             // Written by the previous launch on this stream (or reset()): a plain load suffices
             ctrl->epoch = control[L::kControlEpoch] + 1;
