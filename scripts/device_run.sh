@@ -19,8 +19,10 @@ echo "tests took $(( $(date +%s) - start )) s, exit $status"
 if [ "${DG_RUN_SANITIZER:-0}" = "1" ]; then
     # memcheck: a normal call and one with out-of-range expert ids; racecheck: shared memory races
     # (one log file: the device returns at most 8 files)
-    # (--tokens 8: narrow decode tiles; the default 48 tokens: wide ones)
-    for args in "" "--bad-ids" "--ranks 2" "--format fp8xfp4" "--tokens 8" "--tokens 8 --format bf16xbf16 --ranks 2"; do
+    # (--tokens 8: narrow decode tiles; the default 48 tokens: wide ones; --tokens 1024: prefill
+    # tiles, the count in slices and the bulk combine)
+    for args in "" "--bad-ids" "--ranks 2" "--format fp8xfp4" "--tokens 8" "--tokens 8 --format bf16xbf16 --ranks 2" \
+                "--tokens 1024 --bad-ids" "--tokens 1024 --format bf16xbf16 --ranks 2"; do
         timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/one_launch.py $args > /tmp/san.log 2>&1
         rc=$?
         { echo "=== memcheck [$args]: exit $rc"; cat /tmp/san.log; } >> "$OUT/sanitizer.log"

@@ -4,7 +4,8 @@
 
 --bad-ids puts out-of-range expert ids (too large, -2) into the routing: the kernel must flag them
 and never use them as an index (run under `compute-sanitizer --tool memcheck`). --tokens 8 gives
-M-blocks of 1-4 tokens (the narrow decode tiles); the default 48, about 12 (the wide ones).
+M-blocks of 1-4 tokens (the narrow decode tiles); the default 48, about 12 (the wide ones);
+--tokens 1024 prefill tiles (BLOCK_M 128: the count in slices, the combine through shared memory).
 """
 import argparse
 

@@ -66,16 +66,20 @@ def test_stalled_peer_times_out_and_reset_recovers(mma_type, short_timeout):
     assert_correct(w, inputs, mc.run_ranks(w, inputs, bufs), mma_type)
 
 
+# n = 128: the count on one CTA (count_and_send); n = 1024 (4096 routed pairs): in slices on several
+# CTAs (count_slice), the last bad slot in the last slice
+@pytest.mark.parametrize('n', [128, 1024])
 @pytest.mark.parametrize('mma_type', ['fp8xfp8', 'bf16xbf16'])
 @pytest.mark.parametrize('bad_id', [10_000, 16, -2, -(1 << 40)])
-def test_bad_expert_ids_are_flagged_never_used(mma_type, bad_id):
+def test_bad_expert_ids_are_flagged_never_used(mma_type, bad_id, n):
     hidden, inter, experts, topk = SMALL
     w = mc.make_weights(mma_type, hidden, inter, experts, 1, seed=0)
-    (buf,) = mc.make_buffers(mma_type, 1, experts, 128, topk, hidden, inter)
-    inp = mc.make_inputs(mma_type, [128], hidden, experts, topk, seed=3)[0]
+    (buf,) = mc.make_buffers(mma_type, 1, experts, n, topk, hidden, inter)
+    inp = mc.make_inputs(mma_type, [n], hidden, experts, topk, seed=3)[0]
+    bad_slots = [(5, 1), (77, 3), (n - 3, 2)]
     bad = inp.topk_idx.clone()
-    bad[5, 1] = bad_id
-    bad[77, 3] = bad_id
+    for t, k in bad_slots:
+        bad[t, k] = bad_id
     staged = mc.RankInputs(inp.x, inp.x_q, inp.x_sf, bad, inp.topk_weights)
     (y,) = mc.run_ranks(w, [staged], [buf])
     with pytest.raises(deep_gemm.MegaMoEError, match='expert id') as info:
@@ -83,12 +87,44 @@ def test_bad_expert_ids_are_flagged_never_used(mma_type, bad_id):
     assert info.value.code == 2 and not info.value.fatal
     # The bad slots were skipped (treated as masked), every other slot computed normally
     masked = inp.topk_idx.clone()
-    masked[5, 1] = -1
-    masked[77, 3] = -1
+    for t, k in bad_slots:
+        masked[t, k] = -1
     assert_correct(w, [mc.RankInputs(inp.x, inp.x_q, inp.x_sf, masked, inp.topk_weights)], [y], mma_type)
     with pytest.raises(deep_gemm.MegaMoEError):      # reported again by the next call
         mc.run_ranks(w, [inp], [buf])
     buf.reset()
+    assert_correct(w, [inp], mc.run_ranks(w, [inp], [buf]), mma_type)
+
+
+# A token that lists an expert twice sends it two rows; when a (source, expert) list would then hold
+# more than num_max_tokens_per_rank rows, the count cuts it there, flags the call (non-fatal) and
+# masks the pairs it cut in the buffer's routing copy, which the combine reads: every token lists
+# expert 3 in slots 0 and 1, so 2 n pairs compete for n slots and exactly n are masked (which ones
+# is the order of the count's atomics). y must then be the MoE of the routing the kernel left.
+# n = 128: one count CTA; n = 1024: count slices on several CTAs, slots reserved across them.
+@pytest.mark.parametrize('n', [128, 1024])
+def test_duplicate_expert_overflow_is_cut_flagged_and_masked(n):
+    mma_type = 'fp8xfp8'
+    hidden, inter, experts, topk = SMALL
+    w = mc.make_weights(mma_type, hidden, inter, experts, 1, seed=0)
+    (buf,) = mc.make_buffers(mma_type, 1, experts, n, topk, hidden, inter)
+    inp = mc.make_inputs(mma_type, [n], hidden, experts, topk, seed=6)[0]
+    dup = inp.topk_idx.clone()
+    dup[:, 2:] = torch.where(dup[:, 2:] == 3, -1, dup[:, 2:])
+    dup[:, :2] = 3
+    staged = mc.RankInputs(inp.x, inp.x_q, inp.x_sf, dup, inp.topk_weights)
+    (y,) = mc.run_ranks(w, [staged], [buf])
+    with pytest.raises(deep_gemm.MegaMoEError) as info:
+        buf.check()
+    assert info.value.code == 4 and not info.value.fatal
+    left = buf.topk_idx[:n].to(dup.device)
+    changed = left != dup
+    assert int(changed.sum()) == n, 'the cut must mask exactly the n pairs beyond the list'
+    assert bool((left[changed] == -1).all()) and not bool(changed[:, 2:].any())
+    assert bool(((left[:, :2] == 3).sum() == n).item())
+    assert_correct(w, [mc.RankInputs(inp.x, inp.x_q, inp.x_sf, left, inp.topk_weights)], [y], mma_type)
+    # Non-fatal: the workspace is consistent, clear_error() and the next call is correct
+    buf.clear_error()
     assert_correct(w, [inp], mc.run_ranks(w, [inp], [buf]), mma_type)
 
 

@@ -10,7 +10,7 @@ from deep_gemm.mega import (MMA_TYPES, SymmBuffer, get_mega_moe_layout, get_symm
                             get_symm_buffer_size_for_mega_moe)
 from deep_gemm.testing.virtual_ranks import make_virtual_ranks
 
-SECTIONS = ['status', 'control', 'recv_count', 'combine_ready', 'src_index', 'mblock_arrival', 'mblock_l1_done',
+SECTIONS = ['status', 'control', 'recv_count', 'combine_ready', 'send_count', 'src_index', 'mblock_arrival', 'mblock_l1_done',
             'row_info', 'row_weight', 'split_count', 'split_partials', 'x', 'x_sf', 'topk_idx', 'topk_weights', 'l1_act', 'l1_sf', 'l2_act', 'l2_sf',
             'combine']
 WORKSPACE = SECTIONS[:SECTIONS.index('x')]
@@ -59,6 +59,7 @@ def test_sections_are_ordered_aligned_and_sized(shape, mma_type):
         'l1_act': rows * h * act, 'l1_sf': rows * h // 128 * 4 if fp8 else 0,
         'l2_act': rows * i * act, 'l2_sf': rows * i // 128 * 4 if fp8 else 0,
         'combine': k * n * h * 2, 'src_index': e_local * r * n * 4, 'recv_count': e_local * r * 8,
+        'send_count': e * 4,
         'row_info': rows * 4, 'row_weight': rows * 4,
         'mblock_arrival': rows // 64 * 4, 'mblock_l1_done': rows // 64 * 4,
         # split-K L1 exchange: a counter for each of 128 tiles, 512 K parts of 256 x 8 FP32 partials
@@ -290,12 +291,12 @@ def test_virtual_ranks_share_one_peer_table(num_ranks):
 @pytest.mark.parametrize('shape', SHAPES)
 @pytest.mark.parametrize('mma_type', list(MMA_TYPES))
 def test_size_formula_of_the_docs(shape, mma_type):
-    # docs/BUFFER.md "Size formula": exact up to 1024-byte alignment of each of the 20 sections
+    # docs/BUFFER.md "Size formula": exact up to 1024-byte alignment of each of the 21 sections
     r, e, n, k, h, i = shape
     el = e // r
     a, s = (2, 0) if mma_type == 'bf16xbf16' else (1, 1)
     rows = expected_pool_rows(r, el, n, k)
-    workspace = 64 + 64 + 8 * el * r + 8 * r + 4 * el * r * n + 8 * (rows // 64) + 8 * rows + 4 * 128 + 512 * 8192
+    workspace = 64 + 64 + 8 * el * r + 8 * r + 4 * e + 4 * el * r * n + 8 * (rows // 64) + 8 * rows + 4 * 128 + 512 * 8192
     inputs = n * h * a + s * 4 * n * (h // 128) + 12 * n * k
     pools = rows * (h + i) * a + s * 4 * rows * ((h + i) // 128)
     combine = 2 * k * n * h
@@ -305,5 +306,5 @@ def test_size_formula_of_the_docs(shape, mma_type):
 
 
 def test_docs_worked_example():
-    assert get_symm_buffer_size_for_mega_moe(8, 256, 4096, 8, 7168, 2048, 'fp8xfp4') == 3041337344
-    assert get_symm_buffer_size_for_mega_moe(1, 256, 4096, 8, 7168, 2048, 'fp8xfp4') == 1129779200
+    assert get_symm_buffer_size_for_mega_moe(8, 256, 4096, 8, 7168, 2048, 'fp8xfp4') == 3041338368
+    assert get_symm_buffer_size_for_mega_moe(1, 256, 4096, 8, 7168, 2048, 'fp8xfp4') == 1129780224

@@ -35,6 +35,7 @@ inline constexpr std::pair<const char*, Section MegaMoELayout::*> kSections[] = 
     {"control", &MegaMoELayout::control},
     {"recv_count", &MegaMoELayout::recv_count},
     {"combine_ready", &MegaMoELayout::combine_ready},
+    {"send_count", &MegaMoELayout::send_count},
     {"src_index", &MegaMoELayout::src_index},
     {"mblock_arrival", &MegaMoELayout::mblock_arrival},
     {"mblock_l1_done", &MegaMoELayout::mblock_l1_done},
@@ -167,7 +168,7 @@ inline void register_apis(pybind11::module_& m) {
           py::arg("hidden"), py::arg("intermediate_hidden"), py::arg("mma_type"),
           "Symmetric-buffer layout of one Mega MoE rank.\n\n"
           "Returns a dict: section name -> (offset, num_bytes) for every section (status, control, recv_count,\n"
-          "combine_ready, src_index, mblock_arrival, mblock_l1_done, row_info, row_weight, split_count,\n"
+          "combine_ready, send_count, src_index, mblock_arrival, mblock_l1_done, row_info, row_weight, split_count,\n"
           "split_partials, x, x_sf, topk_idx,\n"
           "topk_weights, l1_act, l1_sf, l2_act, l2_sf, combine), plus num_bytes, num_workspace_bytes,\n"
           "num_pool_rows, num_max_mblocks and num_local_experts. mma_type: 0 fp8xfp4, 1 fp8xfp8, 2 bf16xbf16.\n"

@@ -66,7 +66,8 @@ constexpr uint32_t kStageSuspendNs = 2000;
 
 struct SharedControl {
     int first_task;
-    int did_count;
+    int count_slice;   // the count slice this CTA claimed last (kControlCountClaim)
+    int count_last;    // this CTA finished the count's last slice: it publishes the counts
     int late;          // peers already moved to the next call: nothing left here for this CTA
     int abort;         // a fatal error was seen: leave
     int is_last_cta;
@@ -365,6 +366,117 @@ struct Kernel {
             st_release_peers(peer<uint64_t>(owner, lay.recv_count) + le * lay.num_ranks + p.rank, (static_cast<uint64_t>(epoch) << 32) | count);
         }
         // The scratch counts live in stage 0, which TMA (async proxy) writes next
+        fence_proxy_async_shared();
+        __syncthreads();
+    }
+
+    // Prefill counts run in slices of kCountSlicePairs routed pairs, one CTA each: on one CTA the count
+    // took 37 us at mid n = 4096 (32768 pairs: 256 KB of routing loads and as many scattered 4-byte
+    // stores through one SM) while the grid waited for it (docs/PERF.md, session 14). Decode calls
+    // (one slice) keep count_and_send as it was.
+    static constexpr int kCountSliceBatch = 4;                         // pairs per thread and slice
+    static constexpr int kCountSlicePairs = kCountSliceBatch * kNumThreads;
+    // A slice's per-expert scratch: [E] slots taken in the slice, then [E] bases reserved for it
+    static_assert(kNumStages * kStageBytes >= 2 * kMegaMoEMaxLocalExperts * kMaxRanks * 4, "count scratch fits the stages");
+    __device__ int num_count_slices() const {
+        const int num_pairs = p.num_tokens * lay.num_topk;
+        return num_pairs <= kCountSlicePairs ? 1 : ceil_div(num_pairs, kCountSlicePairs);
+    }
+
+    // Every CTA at its start: the count's slices are claimed from kControlCountClaim by whichever
+    // CTAs run (the first claim was drawn with the CTA's setup), so the count never waits for a CTA
+    // that is not resident, and a CTA claims again after each slice until none is left.
+    __device__ void count() {
+        const int num_slices = num_count_slices();
+        int slice = sm.ctrl->count_slice;
+        if (num_slices == 1) {
+            if (slice == 0) {
+                count_and_send();
+                if (threadIdx.x == 0) trace(kTraceCounted);
+            }
+            return;
+        }
+        while (slice < num_slices) {
+            count_slice(slice, num_slices);
+            if (threadIdx.x == 0) {
+                trace(kTraceCounted);
+                sm.ctrl->count_slice = static_cast<int>(atomicAdd(mine<uint32_t>(lay.control) + L::kControlCountClaim, 1));
+            }
+            // (the next write of count_slice is after the next slice's barriers: every thread has read it)
+            __syncthreads();
+            slice = sm.ctrl->count_slice;
+        }
+    }
+
+    // One slice of a count of several (whole CTA): pairs [slice x kCountSlicePairs, ...) of this rank.
+    // Slots are taken in shared memory, then each expert's share of the slice is reserved in this
+    // rank's send_count with one global atomic, so every pair's slot in the owner's list is the
+    // reserved base plus its slot within the slice. The CTA that finishes the last slice publishes
+    // the totals as count_and_send does (same cut at n_max, same epoch tag); the last CTA out of the
+    // call zeroes send_count.
+    __device__ void count_slice(int slice, int num_slices) {
+        const int num_experts = lay.num_experts, num_topk = lay.num_topk, n_max = lay.num_max_tokens_per_rank;
+        int* counts = reinterpret_cast<int*>(sm.stage_a(0));     // pipeline stages are idle here
+        int* bases = counts + num_experts;
+        for (int e = threadIdx.x; e < num_experts; e += kNumThreads) counts[e] = 0;
+        __syncthreads();
+
+        auto* topk_idx = mine<int64_t>(lay.topk_idx);
+        auto* send_count = mine<int>(lay.send_count);
+        const int num_pairs = p.num_tokens * num_topk, first = slice * kCountSlicePairs + static_cast<int>(threadIdx.x);
+        int64_t batch[kCountSliceBatch];
+        int local[kCountSliceBatch];
+        #pragma unroll
+        for (int b = 0; b < kCountSliceBatch; ++b) batch[b] = first + b * kNumThreads < num_pairs ? topk_idx[first + b * kNumThreads] : -1;
+        #pragma unroll
+        for (int b = 0; b < kCountSliceBatch; ++b) {
+            const bool valid = batch[b] >= 0 and batch[b] < num_experts;   // never used as an index otherwise
+            local[b] = valid ? atomicAdd(&counts[valid ? batch[b] : 0], 1) : 0;
+        }
+        __syncthreads();
+        for (int e = threadIdx.x; e < num_experts; e += kNumThreads)
+            if (counts[e] > 0) bases[e] = atomicAdd(send_count + e, counts[e]);
+        __syncthreads();
+        #pragma unroll 1
+        for (int b = 0; b < kCountSliceBatch; ++b) {
+            const int i = first + b * kNumThreads;
+            // shifted down, not indexed by b: the batch stays in registers
+            const int64_t e = batch[0];
+            const int slot_in_slice = local[0];
+            #pragma unroll
+            for (int q = 0; q + 1 < kCountSliceBatch; ++q) batch[q] = batch[q + 1], local[q] = local[q + 1];
+            if (e == -1) continue;
+            if (e < -1 or e >= num_experts) {   // flagged, treated as masked
+                report(p, StatusCode::kBadExpertId, Phase::kCount, p.rank, i / num_topk, false, sm.ctrl);
+                continue;
+            }
+            const int slot = bases[e] + slot_in_slice;
+            if (slot >= n_max) {                // only possible when a token lists an expert twice
+                report(p, StatusCode::kDuplicateExpert, Phase::kCount, p.rank, i / num_topk, false, sm.ctrl);
+                topk_idx[i] = -1;               // the combine skips the slot (as in count_and_send)
+                continue;
+            }
+            const int owner = static_cast<int>(e) / lay.num_local_experts, le = static_cast<int>(e) % lay.num_local_experts;
+            peer<int>(owner, lay.src_index)[(static_cast<int64_t>(le) * lay.num_ranks + p.rank) * n_max + slot] = i;
+        }
+        // release: the owners' pulls must see the source indices written above; the slice's done
+        // count (after the barrier, cumulative) orders them before the publication of the totals
+        fence_peers();
+        __syncthreads();
+        if (threadIdx.x == 0)
+            sm.ctrl->count_last = atom_acq_rel_gpu_add(mine<uint32_t>(lay.control) + L::kControlCountDone, 1) + 1 ==
+                                  static_cast<uint32_t>(num_slices);
+        __syncthreads();
+        if (sm.ctrl->count_last) {
+            // acquire (thread 0's, above): every slice's reservations and source indices
+            fence_acq_rel_gpu();
+            for (int e = threadIdx.x; e < num_experts; e += kNumThreads) {
+                const int owner = e / lay.num_local_experts, le = e % lay.num_local_experts;
+                const uint64_t count = min_of(__ldcg(send_count + e), n_max);
+                st_release_peers(peer<uint64_t>(owner, lay.recv_count) + le * lay.num_ranks + p.rank, (static_cast<uint64_t>(epoch) << 32) | count);
+            }
+        }
+        // The scratch lives in stage 0, which TMA (async proxy) writes next
         fence_proxy_async_shared();
         __syncthreads();
     }
@@ -2003,7 +2115,7 @@ struct Kernel {
             fence_barrier_init();
             // Written by the previous launch on this stream (or reset()): a plain load suffices
             ctrl->epoch = control[L::kControlEpoch] + 1;
-            ctrl->did_count = atomicAdd(control + L::kControlCountClaim, 1) == 0;
+            ctrl->count_slice = static_cast<int>(atomicAdd(control + L::kControlCountClaim, 1));
             ctrl->late = 0;
             ctrl->abort = 0;
             ctrl->is_last_cta = 0;
@@ -2030,10 +2142,7 @@ struct Kernel {
         __syncthreads();
         epoch = ctrl->epoch;
 
-        if (ctrl->did_count) {
-            count_and_send();
-            if (threadIdx.x == 0) trace(kTraceCounted);
-        }
+        count();
         build_layout();
         if (threadIdx.x == 0) trace(kTraceLayout);
 
@@ -2094,8 +2203,13 @@ struct Kernel {
             auto* arrival = mine<uint32_t>(lay.mblock_arrival);
             auto* l1_done = mine<uint32_t>(lay.mblock_l1_done);
             for (int m = threadIdx.x; m < num_mblocks; m += kNumThreads) arrival[m] = 0, l1_done[m] = 0;
+            if (num_count_slices() > 1) {
+                auto* send_count = mine<int>(lay.send_count);
+                for (int e = threadIdx.x; e < lay.num_experts; e += kNumThreads) send_count[e] = 0;
+            }
             if (threadIdx.x == 0) {
                 control[L::kControlTaskQueue] = 0;
+                control[L::kControlCountDone] = 0;
                 control[L::kControlL2TasksDone] = 0;
                 control[L::kControlCountClaim] = 0;
                 control[L::kControlExitedCtas] = 0;

@@ -7,7 +7,8 @@
 //   [workspace | inputs | L1 pool | L2 pool | combine slots]
 //
 // workspace   status words, control counters, per-(local expert, source rank) receive counts and
-//             source-index lists (written by peers), per-M-block arrival / L1-done counters,
+//             source-index lists (written by peers), this rank's per-expert send counts (a
+//             prefill count's CTAs reserve slots there), per-M-block arrival / L1-done counters,
 //             per-pool-row routing info (source rank, token, top-k slot) and top-k weight, and the
 //             split-K L1 exchange of decode calls (per L1 tile: a counter and both K halves' partial
 //             sums)
@@ -49,6 +50,7 @@ constexpr int kControlExitedCtas = 2;     // CTAs that left the current call
 constexpr int kControlL2TasksDone = 3;    // L2 tasks finished in the current call
 constexpr int kControlCountClaim = 4;     // the first CTA to take ticket 0 counts and sends this rank's tokens
 constexpr int kControlNumMBlocks = 5;     // M-blocks of the current call (for the end-of-call reset)
+constexpr int kControlCountDone = 6;      // count slices finished (a count of several slices: the last one publishes)
 
 // Status words: the first error of a call (0 = ok) and whether it was fatal (the call stopped
 // working and the workspace needs `reset()`); encoding in `deep_gemm/impls/mega_moe_params.cuh`.
@@ -68,7 +70,7 @@ struct MegaMoELayout {
     int num_pool_rows, num_max_mblocks;
 
     // Workspace
-    Section status, control, recv_count, combine_ready, src_index, mblock_arrival, mblock_l1_done;
+    Section status, control, recv_count, combine_ready, send_count, src_index, mblock_arrival, mblock_l1_done;
     Section row_info, row_weight, split_count, split_partials;
     // Inputs
     Section x, x_sf, topk_idx, topk_weights;
@@ -109,6 +111,7 @@ struct MegaMoELayout {
         control = take(kNumControlWords * 4);
         recv_count = take(static_cast<int64_t>(num_local_experts) * num_ranks * 8);
         combine_ready = take(static_cast<int64_t>(num_ranks) * 8);
+        send_count = take(static_cast<int64_t>(num_experts) * 4);
         src_index = take(static_cast<int64_t>(num_local_experts) * num_ranks * n * 4);
         mblock_arrival = take(static_cast<int64_t>(num_max_mblocks) * 4);
         mblock_l1_done = take(static_cast<int64_t>(num_max_mblocks) * 4);
