@@ -329,6 +329,7 @@ struct Kernel {
         // instead of one per entry (prefill: ~85 entries per thread, 33-39 us counted one by one)
         const auto* topk_idx = mine<int64_t>(lay.topk_idx);
         constexpr int kCountBatch = 8;
+        static_assert(kCountBatch * kNumThreads == kSingleCountPairs, "count() sends at most one batch per thread here");
         const int num_pairs = p.num_tokens * num_topk;
         for (int base = threadIdx.x; base < num_pairs; base += kCountBatch * kNumThreads) {
             int64_t batch[kCountBatch];
@@ -372,15 +373,22 @@ struct Kernel {
 
     // Prefill counts run in slices of kCountSlicePairs routed pairs, one CTA each: on one CTA the count
     // took 37 us at mid n = 4096 (32768 pairs: 256 KB of routing loads and as many scattered 4-byte
-    // stores through one SM) while the grid waited for it (docs/PERF.md, session 14). Decode calls
-    // (one slice) keep count_and_send as it was.
+    // stores through one SM) while the grid waited for it (docs/PERF.md, session 14). Calls of at
+    // most one batch per thread on one CTA (kSingleCountPairs) keep count_and_send as it was: there
+    // the slices' two extra global round trips (the reservation, the slice's done count) cost more
+    // than they spread (mid n = 256, 2 slices: +1 %). So do the decode kernels (BLOCK_M 64, which
+    // the heuristic picks up to 64 routed pairs per expert): compiled in, the slices' ~1000
+    // instructions moved their loops' code and v4-flash FP8 x FP4 n = 8 read +0.8 %.
+    static constexpr bool kSlicedCount = BLOCK_M == 128;
     static constexpr int kCountSliceBatch = 4;                         // pairs per thread and slice
     static constexpr int kCountSlicePairs = kCountSliceBatch * kNumThreads;
+    static constexpr int kSingleCountPairs = 8 * kNumThreads;          // count_and_send's kCountBatch per thread
     // A slice's per-expert scratch: [E] slots taken in the slice, then [E] bases reserved for it
     static_assert(kNumStages * kStageBytes >= 2 * kMegaMoEMaxLocalExperts * kMaxRanks * 4, "count scratch fits the stages");
     __device__ int num_count_slices() const {
+        if constexpr (not kSlicedCount) return 1;
         const int num_pairs = p.num_tokens * lay.num_topk;
-        return num_pairs <= kCountSlicePairs ? 1 : ceil_div(num_pairs, kCountSlicePairs);
+        return num_pairs <= kSingleCountPairs ? 1 : ceil_div(num_pairs, kCountSlicePairs);
     }
 
     // Every CTA at its start: the count's slices are claimed from kControlCountClaim by whichever
@@ -396,7 +404,7 @@ struct Kernel {
             }
             return;
         }
-        while (slice < num_slices) {
+        if constexpr (kSlicedCount) while (slice < num_slices) {
             count_slice(slice, num_slices);
             if (threadIdx.x == 0) {
                 trace(kTraceCounted);
@@ -413,7 +421,7 @@ struct Kernel {
     // rank's send_count with one global atomic, so every pair's slot in the owner's list is the
     // reserved base plus its slot within the slice. The CTA that finishes the last slice publishes
     // the totals as count_and_send does (same cut at n_max, same epoch tag); the last CTA out of the
-    // call zeroes send_count.
+    // call zeroes send_count. A thread reports its first bad or cut pair once, after its pairs.
     __device__ void count_slice(int slice, int num_slices) {
         const int num_experts = lay.num_experts, num_topk = lay.num_topk, n_max = lay.num_max_tokens_per_rank;
         int* counts = reinterpret_cast<int*>(sm.stage_a(0));     // pipeline stages are idle here
@@ -437,6 +445,8 @@ struct Kernel {
         for (int e = threadIdx.x; e < num_experts; e += kNumThreads)
             if (counts[e] > 0) bases[e] = atomicAdd(send_count + e, counts[e]);
         __syncthreads();
+        StatusCode error = StatusCode::kOk;
+        int error_token = 0;
         #pragma unroll 1
         for (int b = 0; b < kCountSliceBatch; ++b) {
             const int i = first + b * kNumThreads;
@@ -446,19 +456,17 @@ struct Kernel {
             #pragma unroll
             for (int q = 0; q + 1 < kCountSliceBatch; ++q) batch[q] = batch[q + 1], local[q] = local[q + 1];
             if (e == -1) continue;
-            if (e < -1 or e >= num_experts) {   // flagged, treated as masked
-                report(p, StatusCode::kBadExpertId, Phase::kCount, p.rank, i / num_topk, false, sm.ctrl);
-                continue;
-            }
-            const int slot = bases[e] + slot_in_slice;
-            if (slot >= n_max) {                // only possible when a token lists an expert twice
-                report(p, StatusCode::kDuplicateExpert, Phase::kCount, p.rank, i / num_topk, false, sm.ctrl);
-                topk_idx[i] = -1;               // the combine skips the slot (as in count_and_send)
+            const bool bad = e < -1 or e >= num_experts;   // flagged, treated as masked
+            const int slot = bad ? 0 : bases[e] + slot_in_slice;
+            if (bad or slot >= n_max) {         // the cut: only possible when a token lists an expert twice
+                if (error == StatusCode::kOk) error = bad ? StatusCode::kBadExpertId : StatusCode::kDuplicateExpert, error_token = i / num_topk;
+                if (not bad) topk_idx[i] = -1;  // the combine skips the slot (as in count_and_send)
                 continue;
             }
             const int owner = static_cast<int>(e) / lay.num_local_experts, le = static_cast<int>(e) % lay.num_local_experts;
             peer<int>(owner, lay.src_index)[(static_cast<int64_t>(le) * lay.num_ranks + p.rank) * n_max + slot] = i;
         }
+        if (error != StatusCode::kOk) report(p, error, Phase::kCount, p.rank, error_token, false, sm.ctrl);
         // release: the owners' pulls must see the source indices written above; the slice's done
         // count (after the barrier, cumulative) orders them before the publication of the totals
         fence_peers();
