@@ -241,9 +241,7 @@ struct Kernel {
                       "pull staging outgrew its budget");
         // The bulk combine's buffer b of math warpgroup wg: in the warpgroup's half of the stages
         static constexpr int kCombineHalfBytes = kNumStages * kStageBytes / kNumMathWGs;
-        static_assert(not mega_moe_has_bulk_combine(BLOCK_M) or
-                      (kCombineHalfBytes >= kMegaMoECombineBufs * kMegaMoECombineBufBytes and kCombineHalfBytes % 16 == 0),
-                      "each math warpgroup's combine buffers fit its half of the pipeline stages");
+        static_assert(kCombineHalfBytes % 16 == 0, "bulk copies into the combine buffers need 16-byte alignment");
         __device__ uint8_t* combine_buf(int wg, int b) const { return stages + wg * kCombineHalfBytes + b * kMegaMoECombineBufBytes; }
         // Stage addresses are computed, not stored: an array indexed by a run-time stage would live in local memory
         __device__ uint8_t* stage_a(int s) const { return stages + s * kStageBytes; }
@@ -777,13 +775,19 @@ struct Kernel {
 
     // Combine: y[t] = sum over valid slots k (in order) of the BF16 rows (the GEMMs are over by
     // then), on the math warpgroups: a group is one warpgroup, `thread` its index among the
-    // kNumCombineThreads, kSlotsInFlight the top-k rows it loads at once (8: one round trip per
-    // chunk at top-k <= 8). Decode tiles (BLOCK_M 64) only: prefill tiles combine through shared
-    // memory (combine_bulk), whose bytes in flight registers could not hold (4 top-k rows per thread
-    // cost the BF16 128-row main loop registers already). The dispatch warps (40 registers) took a
+    // kNumCombineThreads, kSlotsInFlight the top-k rows it loads at once (decode tiles 8: one round
+    // trip per chunk at top-k <= 8). Prefill tiles combine through shared memory (combine_bulk),
+    // whose bytes in flight registers could not hold, unless their stages are too few for its
+    // buffers (kBulkCombine): then here with 4 (8 would cost the BF16 128-row main loop its
+    // registers; with the register combine compiled in, that loop spills). The dispatch warps (40 registers) took a
     // share with 128-row tiles until measured: without them mid / BF16 mid n = 4096 ran 6 % faster
     // (docs/PERF.md).
-    static constexpr int kMathCombineSlots = 8;
+    static constexpr int kMathCombineSlots = kSplitN ? 8 : 4;
+    // The prefill kernels combine through shared memory where each math warpgroup's buffers fit its
+    // half of the stages (H100 / H200: FP8 and BF16 at 3 stages, FP8 x FP4 at 4); with fewer stages
+    // (a smaller shared memory) they keep the register combine
+    static constexpr bool kBulkCombine = mega_moe_has_bulk_combine(BLOCK_M) and
+                                         kNumStages * kStageBytes / kNumMathWGs >= kMegaMoECombineBufs * kMegaMoECombineBufBytes;
     static constexpr int kNumCombineThreads = kNumMathThreads;
 
     // Combine tasks split y's 16-byte chunks (n x hidden / 8, token-major) into equal contiguous
@@ -1931,9 +1935,11 @@ struct Kernel {
             const auto* flag = mine<uint64_t>(lay.combine_ready) + mt.tid;
             bounded_wait(p, sm.ctrl, Phase::kCombineWait, mt.tid, [&] { return ld_acquire_peers(flag) >= epoch; });
         }
-        named_barrier(kBarrierMathBase + mt.wg, 128);
+        // One decision for the warpgroup (an abort seen by some threads only would leave the others
+        // at the batch loop's barrier); the barrier also orders every thread after the acquires
+        const bool leave_now = named_barrier_or(kBarrierCombineBase + mt.wg, 128, sm.ctrl->abort != 0);
         on_ready();
-        if (sm.ctrl->abort) return;
+        if (leave_now) return;
         if (mt.wg == 0 and mt.tid == 0) trace(kTraceCombineReady, true);
 
         constexpr int kChunks = kMegaMoECombineBatchChunks, kPlanes = kMegaMoECombinePlanes, kBufs = kMegaMoECombineBufs;
@@ -2092,7 +2098,7 @@ struct Kernel {
                 }
                 if (mt.tid == 0) trace(kTraceL2End);
             } else if (is_combine) {
-                if constexpr (mega_moe_has_bulk_combine(BLOCK_M))
+                if constexpr (kBulkCombine)
                     combine_bulk(t - tasks.l2_end(), mt, combine_batches, [&] { release_task(i); });
                 else
                     combine<kMathCombineSlots>(t - tasks.l2_end(), 128 * mt.wg + mt.tid, mt.tid, 128, kBarrierMathBase + mt.wg,
@@ -2118,7 +2124,7 @@ struct Kernel {
                 mbarrier_init(sm.ring_empty + r, kNumRingConsumers);
             }
             for (int i = 0; i < kPullSlots; ++i) mbarrier_init(sm.pull_bars + i, 1);   // its dispatch thread
-            if constexpr (mega_moe_has_bulk_combine(BLOCK_M))
+            if constexpr (kBulkCombine)
                 for (int i = 0; i < kNumMathWGs * kMegaMoECombineBufs; ++i) mbarrier_init(sm.combine_bars + i, 1);   // the issuing thread
             fence_barrier_init();
             // Written by the previous launch on this stream (or reset()): a plain load suffices
