@@ -1935,11 +1935,11 @@ struct Kernel {
             const auto* flag = mine<uint64_t>(lay.combine_ready) + mt.tid;
             bounded_wait(p, sm.ctrl, Phase::kCombineWait, mt.tid, [&] { return ld_acquire_peers(flag) >= epoch; });
         }
-        // One decision for the warpgroup (an abort seen by some threads only would leave the others
-        // at the batch loop's barrier); the barrier also orders every thread after the acquires
-        const bool leave_now = named_barrier_or(kBarrierCombineBase + mt.wg, 128, sm.ctrl->abort != 0);
+        named_barrier(kBarrierMathBase + mt.wg, 128);
         on_ready();
-        if (leave_now) return;
+        // An abort seen here is not a return: the warpgroup decides once, at the first batch's
+        // barrier (threads that left here alone would leave the others waiting at it)
+        bool leave = sm.ctrl->abort != 0;
         if (mt.wg == 0 and mt.tid == 0) trace(kTraceCombineReady, true);
 
         constexpr int kChunks = kMegaMoECombineBatchChunks, kPlanes = kMegaMoECombinePlanes, kBufs = kMegaMoECombineBufs;
@@ -1974,7 +1974,6 @@ struct Kernel {
             for (int b = 0; b < min_of(kBufs, num_batches); ++b) issue(b);
         }
         float sum[8];
-        bool leave = false;
         int b = 0;
         for (; b < num_batches; ++b) {
             const int kg = b % num_kgroups, k0 = kg * kPlanes;
@@ -1992,7 +1991,7 @@ struct Kernel {
             }
             const uint32_t q = q0 + b;
             const int buf = static_cast<int>(q % kBufs);
-            leave = not bounded_wait(p, sm.ctrl, Phase::kCombineWait, p.rank, [&] { return mbarrier_try_wait(bars + buf, (q / kBufs) & 1); });
+            if (not leave) leave = not bounded_wait(p, sm.ctrl, Phase::kCombineWait, p.rank, [&] { return mbarrier_try_wait(bars + buf, (q / kBufs) & 1); });
             if (not leave and i < last) {
                 if (kg == 0) {
                     #pragma unroll
