@@ -315,6 +315,19 @@ struct Kernel {
     }
 
     // ------------------------------------------------------------------------------------------
+    // Pair i of this rank takes `slot` in the owner's source list of expert e (a remote store)
+    __device__ void send_source(int e, int slot, int i) const {
+        const int owner = e / lay.num_local_experts, le = e % lay.num_local_experts;
+        peer<int>(owner, lay.src_index)[(static_cast<int64_t>(le) * lay.num_ranks + p.rank) * lay.num_max_tokens_per_rank + slot] = i;
+    }
+    // This rank's count for expert e into the owner's recv_count: cut at N, tagged with the call's epoch
+    __device__ void publish_count(int e, int count) const {
+        const int owner = e / lay.num_local_experts, le = e % lay.num_local_experts;
+        const uint64_t cut = min_of(count, lay.num_max_tokens_per_rank);
+        st_release_peers(peer<uint64_t>(owner, lay.recv_count) + le * lay.num_ranks + p.rank, (static_cast<uint64_t>(epoch) << 32) | cut);
+    }
+
+    static constexpr int kCountBatch = 8;   // count_and_send: routing entries per thread loaded at once
     // Count and reserve (whole CTA, the CTA holding ticket 0): every routed (token, slot) gets a
     // slot in the owner's per-(local expert, source rank) list; counts are published epoch-tagged.
     __device__ void count_and_send() {
@@ -326,8 +339,6 @@ struct Kernel {
         // kCountBatch routing entries per thread loaded before any is used: one round trip per batch
         // instead of one per entry (prefill: ~85 entries per thread, 33-39 us counted one by one)
         const auto* topk_idx = mine<int64_t>(lay.topk_idx);
-        constexpr int kCountBatch = 8;
-        static_assert(kCountBatch * kNumThreads == kSingleCountPairs, "count() sends at most one batch per thread here");
         const int num_pairs = p.num_tokens * num_topk;
         for (int base = threadIdx.x; base < num_pairs; base += kCountBatch * kNumThreads) {
             int64_t batch[kCountBatch];
@@ -352,18 +363,13 @@ struct Kernel {
                     mine<int64_t>(lay.topk_idx)[i] = -1;
                     continue;
                 }
-                const int owner = static_cast<int>(e) / lay.num_local_experts, le = static_cast<int>(e) % lay.num_local_experts;
-                peer<int>(owner, lay.src_index)[(static_cast<int64_t>(le) * lay.num_ranks + p.rank) * n_max + slot] = i;
+                send_source(static_cast<int>(e), slot, i);
             }
         }
         // release: the owner's pull must see the source indices written above
         fence_peers();
         __syncthreads();
-        for (int e = threadIdx.x; e < num_experts; e += kNumThreads) {
-            const int owner = e / lay.num_local_experts, le = e % lay.num_local_experts;
-            const uint64_t count = min_of(counts[e], n_max);
-            st_release_peers(peer<uint64_t>(owner, lay.recv_count) + le * lay.num_ranks + p.rank, (static_cast<uint64_t>(epoch) << 32) | count);
-        }
+        for (int e = threadIdx.x; e < num_experts; e += kNumThreads) publish_count(e, counts[e]);
         // The scratch counts live in stage 0, which TMA (async proxy) writes next
         fence_proxy_async_shared();
         __syncthreads();
@@ -380,7 +386,7 @@ struct Kernel {
     static constexpr bool kSlicedCount = BLOCK_M == 128;
     static constexpr int kCountSliceBatch = 4;                         // pairs per thread and slice
     static constexpr int kCountSlicePairs = kCountSliceBatch * kNumThreads;
-    static constexpr int kSingleCountPairs = 8 * kNumThreads;          // count_and_send's kCountBatch per thread
+    static constexpr int kSingleCountPairs = kCountBatch * kNumThreads;   // one count_and_send batch per thread
     // A slice's per-expert scratch: [E] slots taken in the slice, then [E] bases reserved for it
     static_assert(kNumStages * kStageBytes >= 2 * kMegaMoEMaxLocalExperts * kMaxRanks * 4, "count scratch fits the stages");
     __device__ int num_count_slices() const {
@@ -461,8 +467,7 @@ struct Kernel {
                 if (not bad) topk_idx[i] = -1;  // the combine skips the slot (as in count_and_send)
                 continue;
             }
-            const int owner = static_cast<int>(e) / lay.num_local_experts, le = static_cast<int>(e) % lay.num_local_experts;
-            peer<int>(owner, lay.src_index)[(static_cast<int64_t>(le) * lay.num_ranks + p.rank) * n_max + slot] = i;
+            send_source(static_cast<int>(e), slot, i);
         }
         if (error != StatusCode::kOk) report(p, error, Phase::kCount, p.rank, error_token, false, sm.ctrl);
         // release: the owners' pulls must see the source indices written above; the slice's done
@@ -476,11 +481,7 @@ struct Kernel {
         if (sm.ctrl->count_last) {
             // acquire (thread 0's, above): every slice's reservations and source indices
             fence_acq_rel_gpu();
-            for (int e = threadIdx.x; e < num_experts; e += kNumThreads) {
-                const int owner = e / lay.num_local_experts, le = e % lay.num_local_experts;
-                const uint64_t count = min_of(__ldcg(send_count + e), n_max);
-                st_release_peers(peer<uint64_t>(owner, lay.recv_count) + le * lay.num_ranks + p.rank, (static_cast<uint64_t>(epoch) << 32) | count);
-            }
+            for (int e = threadIdx.x; e < num_experts; e += kNumThreads) publish_count(e, __ldcg(send_count + e));
         }
         // The scratch lives in stage 0, which TMA (async proxy) writes next
         fence_proxy_async_shared();
@@ -787,7 +788,7 @@ struct Kernel {
     // half of the stages (H100 / H200: FP8 and BF16 at 3 stages, FP8 x FP4 at 4); with fewer stages
     // (a smaller shared memory) they keep the register combine
     static constexpr bool kBulkCombine = mega_moe_has_bulk_combine(BLOCK_M) and
-                                         kNumStages * kStageBytes / kNumMathWGs >= kMegaMoECombineBufs * kMegaMoECombineBufBytes;
+                                         Smem::kCombineHalfBytes >= kMegaMoECombineBufs * kMegaMoECombineBufBytes;
     static constexpr int kNumCombineThreads = kNumMathThreads;
 
     // Combine tasks split y's 16-byte chunks (n x hidden / 8, token-major) into equal contiguous
@@ -804,14 +805,35 @@ struct Kernel {
         return {c * per_task, min_of(chunks, (c + 1) * per_task)};
     }
 
+    // acquire: rank q has written its L2 rows for our tokens this call (combine_ready[q]); thread q
+    // of a group waits for rank q, the group's barrier extends it to the others
+    __device__ void wait_combine_ready(int q) const {
+        if (q >= lay.num_ranks) return;
+        const auto* flag = mine<uint64_t>(lay.combine_ready) + q;
+        bounded_wait(p, sm.ctrl, Phase::kCombineWait, q, [&] { return ld_acquire_peers(flag) >= epoch; });
+    }
+    // 8 BF16 values of a 16-byte chunk added into FP32 sums; the sums rounded back into a chunk
+    template <typename Chunk>
+    __device__ static void add_bf16x8(float (&sum)[8], const Chunk& v) {
+        const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+        #pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const float2 f = __bfloat1622float2(h[j]);
+            sum[2 * j] += f.x, sum[2 * j + 1] += f.y;
+        }
+    }
+    __device__ static int4 bf16x8_of(const float (&sum)[8]) {
+        int4 out;
+        auto* o = reinterpret_cast<__nv_bfloat162*>(&out);
+        #pragma unroll
+        for (int j = 0; j < 4; ++j) o[j] = __floats2bfloat162_rn(sum[2 * j], sum[2 * j + 1]);
+        return out;
+    }
+
     // on_ready(): called by every thread once the rows are there (or the call aborted)
     template <int kSlotsInFlight, typename OnReady>
     __device__ void combine(int c, int thread, int group_thread, int group_threads, int group_barrier, OnReady&& on_ready) {
-        // acquire: every rank has written its L2 rows for our tokens
-        if (group_thread < lay.num_ranks) {
-            const auto* flag = mine<uint64_t>(lay.combine_ready) + group_thread;
-            bounded_wait(p, sm.ctrl, Phase::kCombineWait, group_thread, [&] { return ld_acquire_peers(flag) >= epoch; });
-        }
+        wait_combine_ready(group_thread);
         named_barrier(group_barrier, group_threads);
         on_ready();
         if (sm.ctrl->abort) return;
@@ -841,20 +863,10 @@ struct Kernel {
                 }
                 #pragma unroll
                 for (int dk = 0; dk < kSlotsInFlight; ++dk) {
-                    if (not valid[dk]) continue;    // fixed order: k ascending
-                    const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v[dk]);
-                    #pragma unroll
-                    for (int j = 0; j < 4; ++j) {
-                        const float2 f = __bfloat1622float2(h[j]);
-                        sum[2 * j] += f.x, sum[2 * j + 1] += f.y;
-                    }
+                    if (valid[dk]) add_bf16x8(sum, v[dk]);    // fixed order: k ascending
                 }
             }
-            int4 out;
-            auto* o = reinterpret_cast<__nv_bfloat162*>(&out);
-            #pragma unroll
-            for (int j = 0; j < 4; ++j) o[j] = __floats2bfloat162_rn(sum[2 * j], sum[2 * j + 1]);
-            *reinterpret_cast<int4*>(y + static_cast<int64_t>(t) * hidden + col) = out;
+            *reinterpret_cast<int4*>(y + static_cast<int64_t>(t) * hidden + col) = bf16x8_of(sum);
         }
         if (thread == 0) trace(kTraceCombineEnd);
     }
@@ -1930,11 +1942,7 @@ struct Kernel {
     // combine tasks or the end).
     template <typename OnReady>
     __device__ void combine_bulk(int c, const MathThread& mt, uint32_t& batches, OnReady&& on_ready) {
-        // acquire: every rank has written its L2 rows for our tokens
-        if (mt.tid < lay.num_ranks) {
-            const auto* flag = mine<uint64_t>(lay.combine_ready) + mt.tid;
-            bounded_wait(p, sm.ctrl, Phase::kCombineWait, mt.tid, [&] { return ld_acquire_peers(flag) >= epoch; });
-        }
+        wait_combine_ready(mt.tid);
         named_barrier(kBarrierMathBase + mt.wg, 128);
         on_ready();
         // An abort seen here is not a return: the warpgroup decides once, at the first batch's
@@ -2000,22 +2008,9 @@ struct Kernel {
                 const uint32_t src = smem_addr(sm.combine_buf(mt.wg, buf)) + mt.tid * 16;
                 #pragma unroll
                 for (int dk = 0; dk < kPlanes; ++dk) {
-                    if (not (valid >> dk & 1)) continue;    // fixed order: k ascending
-                    const uint4 v = ld_shared_v4(src + dk * kChunks * 16);
-                    const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-                    #pragma unroll
-                    for (int j = 0; j < 4; ++j) {
-                        const float2 f = __bfloat1622float2(h[j]);
-                        sum[2 * j] += f.x, sum[2 * j + 1] += f.y;
-                    }
+                    if (valid >> dk & 1) add_bf16x8(sum, ld_shared_v4(src + dk * kChunks * 16));    // fixed order: k ascending
                 }
-                if (kg == num_kgroups - 1) {
-                    int4 out;
-                    auto* o = reinterpret_cast<__nv_bfloat162*>(&out);
-                    #pragma unroll
-                    for (int j = 0; j < 4; ++j) o[j] = __floats2bfloat162_rn(sum[2 * j], sum[2 * j + 1]);
-                    *reinterpret_cast<int4*>(y + static_cast<int64_t>(i) * 8) = out;
-                }
+                if (kg == num_kgroups - 1) *reinterpret_cast<int4*>(y + static_cast<int64_t>(i) * 8) = bf16x8_of(sum);
             }
             // Every thread has read the buffer before it is refilled, and all agree whether to go on
             if (named_barrier_or(kBarrierCombineBase + mt.wg, 128, leave)) break;
@@ -2194,10 +2189,7 @@ struct Kernel {
             // every peer, so it must not start before every peer has pulled this call's tokens.
             // combine_ready[q] says rank q's L2 tasks (hence its pulls) are done; a rank with tokens
             // waits for it in its combine tasks, but a rank with n = 0 has none: one CTA waits here.
-            if (ctrl->first_task == 0 and threadIdx.x < static_cast<unsigned>(lay.num_ranks)) {
-                const auto* flag = mine<uint64_t>(lay.combine_ready) + threadIdx.x;
-                bounded_wait(p, sm.ctrl, Phase::kCombineWait, threadIdx.x, [&] { return ld_acquire_peers(flag) >= epoch; });
-            }
+            if (ctrl->first_task == 0) wait_combine_ready(static_cast<int>(threadIdx.x));
         }
 
         // Leave; the last CTA out resets the per-call counters for the next call on this buffer

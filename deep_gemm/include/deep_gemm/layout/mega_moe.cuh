@@ -48,7 +48,7 @@ constexpr int kControlEpoch = 0;          // number of calls completed on this b
 constexpr int kControlTaskQueue = 1;      // next task index of the dynamic scheduler
 constexpr int kControlExitedCtas = 2;     // CTAs that left the current call
 constexpr int kControlL2TasksDone = 3;    // L2 tasks finished in the current call
-constexpr int kControlCountClaim = 4;     // the first CTA to take ticket 0 counts and sends this rank's tokens
+constexpr int kControlCountClaim = 4;     // count tickets: ticket 0 counts this rank's tokens, or each ticket a slice of them
 constexpr int kControlNumMBlocks = 5;     // M-blocks of the current call (for the end-of-call reset)
 constexpr int kControlCountDone = 6;      // count slices finished (a count of several slices: the last one publishes)
 
