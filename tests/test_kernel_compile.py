@@ -56,10 +56,11 @@ def test_mega_moe_variant_compiles_for_sm90a(variant, requires_nvcc):
 
 
 def test_prefill_kernel_with_too_few_stages_for_the_bulk_combine_compiles(requires_nvcc):
-    # FP8 x FP4 prefill tiles at 3 stages (a smaller shared memory than the H100 / H200's 4): each
-    # math warpgroup's half of the stages (48 KB) cannot hold the bulk combine's 4 x 16 KB buffers,
-    # so the kernel keeps the register combine (kBulkCombine) instead of failing to compile
-    kernel_dir = _C.compile_mega_moe(mma_type_to_int('fp8xfp4'), 128, 3, True, 128)
+    # FP8 prefill tiles at 2 stages (a smaller shared memory than the H100 / H200's 3): each math
+    # warpgroup's half of the stages (48 KB) cannot hold the bulk combine's 4 x 16 KB buffers, so the
+    # kernel keeps the register combine (kBulkCombine) instead of failing to compile. (FP8 x FP4's
+    # halves also take its two expanded tiles: 64 KB at 2 stages, enough.)
+    kernel_dir = _C.compile_mega_moe(mma_type_to_int('fp8xfp8'), 128, 2, True, 128)
     with open(os.path.join(kernel_dir, 'kernel.cubin'), 'rb') as f:
         assert f.read(4) == b'\x7fELF'
 

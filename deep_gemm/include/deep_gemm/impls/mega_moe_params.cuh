@@ -50,9 +50,8 @@ DG_HOST_DEVICE constexpr bool mega_moe_l2_block_n_ok(int block_m, int block_n_l2
     return block_n_l2 == kMegaMoEBlockNL2 or (block_n_l2 == 2 * kMegaMoEBlockNL2 and block_m == 64);
 }
 // FP8 x FP4: a stage holds the packed E2M1 B tile (256 rows x 64 bytes per 128-wide K-block); the
-// math warpgroups expand it into one E4M3 tile outside the stages (the wgmma of a K-block completes
-// before the next K-block is expanded; narrow tiles expand into registers instead), so a stage is
-// 16 KB smaller than with FP8 weights
+// math warpgroups expand it into an E4M3 tile outside the stages (mega_moe_expanded_b_tiles; narrow
+// tiles expand into registers instead), so a stage is 16 KB smaller than with FP8 weights
 constexpr int kMegaMoEPackedRowBytes = 64;
 // FP4 packed codes of one row and 128-wide K-block (transform_weights_for_mega_moe): the 64 bytes are
 // permuted so that the codes of one thread's wgmma A fragments (K step ks = 0..3, quad lane
@@ -75,7 +74,15 @@ DG_HOST_DEVICE constexpr int mega_moe_fp4_sign_bit(int hi, int j) { return 8 * j
 DG_HOST_DEVICE constexpr int mega_moe_stage_b_bytes(MmaType t) {
     return t == MmaType::kFP8xFP4 ? kMegaMoEBlockNL1 * kMegaMoEPackedRowBytes : kMegaMoEBlockNL1 * 128;
 }
-DG_HOST_DEVICE constexpr int mega_moe_expanded_b_bytes(MmaType t) { return t == MmaType::kFP8xFP4 ? kMegaMoEBlockNL1 * 128 : 0; }
+// Expanded tiles: prefill (BLOCK_M = 128) keeps two, so that the expansion of K-block kb + 1 runs
+// while the wgmma of K-block kb reads the other (the math warpgroups are not serialized on it);
+// decode keeps one (its narrow tiles expand into registers, its wide tiles serially)
+DG_HOST_DEVICE constexpr int mega_moe_expanded_b_tiles(MmaType t, int block_m) {
+    return t == MmaType::kFP8xFP4 ? (block_m == 128 ? 2 : 1) : 0;
+}
+DG_HOST_DEVICE constexpr int mega_moe_expanded_b_bytes(MmaType t, int block_m) {
+    return mega_moe_expanded_b_tiles(t, block_m) * kMegaMoEBlockNL1 * 128;
+}
 DG_HOST_DEVICE constexpr int mega_moe_stage_bytes(MmaType t, int block_m) { return block_m * 128 + mega_moe_stage_b_bytes(t); }
 DG_HOST_DEVICE constexpr int mega_moe_epilogue_bytes(int block_m) { return block_m * kMegaMoEEpilogueRowBytes; }
 // Per stage, next to the tiles: the M-block's activation scales for the K-block (FP8 activations,
@@ -138,7 +145,7 @@ DG_HOST_DEVICE constexpr int mega_moe_combine_bar_bytes(int block_m) {
 DG_HOST_DEVICE constexpr int mega_moe_smem_bytes(MmaType t, int block_m, int num_stages) {
     // +1024: the dynamic shared-memory base is re-aligned to 1024 B for the swizzled tiles
     return num_stages * (mega_moe_stage_bytes(t, block_m) + mega_moe_stage_extra_bytes(t, block_m)) +
-           mega_moe_expanded_b_bytes(t) + mega_moe_epilogue_bytes(block_m) + mega_moe_pull_staging_bytes(t, block_m) +
+           mega_moe_expanded_b_bytes(t, block_m) + mega_moe_epilogue_bytes(block_m) + mega_moe_pull_staging_bytes(t, block_m) +
            mega_moe_combine_bar_bytes(block_m) + mega_moe_control_smem_bytes(num_stages) + 1024;
 }
 

@@ -166,11 +166,13 @@ struct Kernel {
     static constexpr int kStageExtraBytes = mega_moe_stage_extra_bytes(kMmaType, BLOCK_M);
     static constexpr int kStageDeltaBytes = mega_moe_stage_deltas_bytes(kMmaType);
     static constexpr int kNumMathThreads = 128 * kNumMathWGs;
+    // Prefill FP8 x FP4: two expanded tiles, K-block kb + 1 expanded while kb's wgmma runs
+    static constexpr bool kExpandAhead = kFP4 and mega_moe_expanded_b_tiles(kMmaType, BLOCK_M) == 2;
     static constexpr int kNumRingConsumers = kNumDispatchThreads + 128 * kNumMathWGs;
     static_assert(kStageBytes == kABytes + (kFP4 ? kMegaMoEBlockNL1 * kMegaMoEPackedRowBytes : kBBytesL1));
     // FP8 x FP4: the deltas' tensor copy lands at each stage's delta slot, 128-byte aligned (the base
     // is 1024-aligned; the stages, the expanded tile and the epilogue tile are whole 128-byte units)
-    static_assert(not kFP4 or ((kNumStages * kStageBytes + mega_moe_expanded_b_bytes(kMmaType) + mega_moe_epilogue_bytes(BLOCK_M)) % 128 == 0 and
+    static_assert(not kFP4 or ((kNumStages * kStageBytes + mega_moe_expanded_b_bytes(kMmaType, BLOCK_M) + mega_moe_epilogue_bytes(BLOCK_M)) % 128 == 0 and
                                kStageExtraBytes % 128 == 0 and kStageSfBytes % 128 == 0),
                   "FP8 x FP4 delta slots must be 128-byte aligned");
     static_assert(kStageExtraBytes % 16 == 0 and kStageSfBytes % 16 == 0 and kStageDeltaBytes % 16 == 0,
@@ -190,7 +192,7 @@ struct Kernel {
     // Shared memory carve-up (sizes from mega_moe_params.cuh, which the host also uses)
     struct Smem {
         uint8_t* stages;          // [kNumStages][A tile | B tile (FP8 x FP4: packed E2M1)]
-        uint8_t* expanded_b;      // FP8 x FP4: the E4M3 B tile the wgmma reads, expanded from a stage
+        uint8_t* expanded_b;      // FP8 x FP4: the E4M3 B tile(s) the wgmma reads, expanded from a stage
         uint8_t* epilogue;
         uint8_t* extras;          // [kNumStages][A scales | FP4 deltas | B weight scales]
         uint8_t* pull_staging;    // [kPullSlots][kMegaMoEPullSlotBytes] prefill pulls (BLOCK_M 128), 128-aligned
@@ -210,7 +212,7 @@ struct Kernel {
         __device__ explicit Smem(uint8_t* base) {
             stages = base;
             expanded_b = base + kNumStages * kStageBytes;     // stage sizes are multiples of 1024
-            epilogue = expanded_b + mega_moe_expanded_b_bytes(kMmaType);
+            epilogue = expanded_b + mega_moe_expanded_b_bytes(kMmaType, BLOCK_M);
             extras = epilogue + mega_moe_epilogue_bytes(BLOCK_M);
             auto* c = extras + kNumStages * kStageExtraBytes;
             pull_staging = reinterpret_cast<uint8_t*>(align_up<uintptr_t>(reinterpret_cast<uintptr_t>(c), 128));
@@ -239,8 +241,9 @@ struct Kernel {
         static constexpr int kSlots = mega_moe_pull_slots(kMmaType, BLOCK_M);
         static_assert(kSlots == 0 or kSlots * (kMegaMoEPullSlotBytes + 8) + 127 <= mega_moe_pull_staging_bytes(kMmaType, BLOCK_M),
                       "pull staging outgrew its budget");
-        // The bulk combine's buffer b of math warpgroup wg: in the warpgroup's half of the stages
-        static constexpr int kCombineHalfBytes = kNumStages * kStageBytes / kNumMathWGs;
+        // The bulk combine's buffer b of math warpgroup wg: in the warpgroup's half of the stages and
+        // the expanded tiles after them (all idle once the rank's GEMMs are over)
+        static constexpr int kCombineHalfBytes = (kNumStages * kStageBytes + mega_moe_expanded_b_bytes(kMmaType, BLOCK_M)) / kNumMathWGs;
         static_assert(kCombineHalfBytes % 16 == 0, "bulk copies into the combine buffers need 16-byte alignment");
         __device__ uint8_t* combine_buf(int wg, int b) const { return stages + wg * kCombineHalfBytes + b * kMegaMoECombineBufBytes; }
         // Stage addresses are computed, not stored: an array indexed by a run-time stage would live in local memory
@@ -248,6 +251,8 @@ struct Kernel {
         __device__ uint8_t* stage_b(int s) const { return stages + s * kStageBytes + kABytes; }
         // The B tile the wgmma of stage s reads
         __device__ uint8_t* mma_b(int s) const { return kFP4 ? expanded_b : stage_b(s); }
+        // Prefill FP8 x FP4 (two expanded tiles): the one of the stage_iter-th stage, by its parity
+        __device__ uint8_t* expanded(uint32_t stage_iter) const { return expanded_b + (stage_iter & 1) * kBBytesL1; }
         __device__ float* stage_sf(int s) const { return reinterpret_cast<float*>(extras + s * kStageExtraBytes); }
         __device__ uint8_t* stage_deltas(int s) const { return extras + s * kStageExtraBytes + kStageSfBytes; }
         // The K-block's FP32 weight block scales of the B tile, one per 128-row block: L1 [gate, up],
@@ -1246,10 +1251,11 @@ struct Kernel {
         return ld_shared_v2(smem_addr(sm.fp4_table) + prmt(offsets, 0u, 0x4440u + g));
     }
 
-    // Wide tiles: expand the stage's packed B tile into the E4M3 tile the wgmma reads
-    // (sm.expanded_b, one for all stages: a barrier of all math threads before the first store, so
-    // that no warpgroup overwrites the tile while the other's wgmma of the K-block before still
-    // reads it, and one after the last), in the 128B-swizzled K-major layout that TMA
+    // Wide tiles: expand the stage's packed B tile into the E4M3 tile `dst` the wgmma reads
+    // (decode: sm.expanded_b, one for all stages; prefill: sm.expanded(stage_iter), two, the next
+    // K-block's expanded while the wgmma reads this one's). A barrier of all math threads before
+    // the first store, so that no warpgroup overwrites the tile while the other's wgmma of an earlier
+    // K-block still reads it, and one after the last; in the 128B-swizzled K-major layout that TMA
     // would have produced, so the FP8 wgmma path runs unchanged. A warp takes 8-row groups
     // warp, warp + 8, ...; lane l loads chunk l % 4 of row l / 4 (the warp's 32 lanes read the
     // group's 512 contiguous bytes: no bank conflicts) and expands it into 8 words, word (ks, hi) =
@@ -1257,7 +1263,7 @@ struct Kernel {
     // stmatrix fragment of 8 x 16-byte matrix (ks, hi), so two stmatrix.x4 write the group
     // (chunk c of row r at r * 128 + (c ^ r % 8) * 16 in its 1024-byte atom).
     template <int kRows>
-    __device__ void expand_fp4_tile(int s) {
+    __device__ void expand_fp4_tile(int s, uint8_t* dst) {
         constexpr int kMathWarps = kNumMathThreads / 32, kGroups = kRows / 8 / kMathWarps;
         static_assert(kNumMathThreads == 256 and kRows % (8 * kMathWarps) == 0 and kRows % 128 == 0,
                       "whole 8-row groups per warp, whole delta blocks");
@@ -1274,17 +1280,24 @@ struct Kernel {
         const uint32_t deltas = smem_addr(sm.stage_deltas(s)) + (t & ~3u);
         // stmatrix addresses in 1024-byte atoms: row t % 8 of the group, chunk t / 8 % 4 (first x4)
         // and 4 + t / 8 % 4 (second: the tile is 1024-aligned, so that is bit 6 flipped)
-        const uint32_t out = smem_addr(sm.expanded_b) + t / 32 * 1024 + t % 8 * 128 + (((t / 8 % 4) ^ (t % 8)) << 4);
+        const uint32_t out = smem_addr(dst) + t / 32 * 1024 + t % 8 * 128 + (((t / 8 % 4) ^ (t % 8)) << 4);
         constexpr int kGroupStride = 8 * kMathWarps;   // rows between a warp's groups
+        // All groups' codes loaded first (their latencies overlap), but while a wgmma holds its
+        // accumulators (kExpandAhead) one group at a time: the loads' registers would spill them
+        constexpr int kLoadsAhead = kExpandAhead ? 1 : kGroups;
         uint4 codes[kGroups];
         uint32_t offsets[kGroups];
         #pragma unroll
-        for (int u = 0; u < kGroups; ++u) {
+        for (int u = 0; u < kLoadsAhead; ++u) {
             codes[u] = ld_shared_v4(packed + u * kGroupStride * kMegaMoEPackedRowBytes);
             offsets[u] = fp4_table_offsets(ld_shared_u32(deltas + u * kGroupStride * 4));
         }
         #pragma unroll
         for (int u = 0; u < kGroups; ++u) {
+            if (u >= kLoadsAhead) {
+                codes[u] = ld_shared_v4(packed + u * kGroupStride * kMegaMoEPackedRowBytes);
+                offsets[u] = fp4_table_offsets(ld_shared_u32(deltas + u * kGroupStride * 4));
+            }
             uint2 e[mma::kWgmmaStepsPerKBlock];
             #pragma unroll
             for (int ks = 0; ks < mma::kWgmmaStepsPerKBlock; ++ks) e[ks] = expand_e2m1x8(word_of(codes[u], ks), fp4_magnitudes(offsets[u], ks));
@@ -1330,15 +1343,22 @@ struct Kernel {
         if constexpr (kFP8) {
             #pragma unroll
             for (int i = 0; i < kL1Acc; ++i) acc[i] = 0.0f;
+            if constexpr (kExpandAhead) {   // the first K-block's tile; each next one while up's wgmma runs
+                if (not wait_full_l1(0, stage_iter, mt)) return false;
+                expand_fp4_tile<kMegaMoEBlockNL1>(stage_iter % kNumStages, sm.expanded(stage_iter));
+            }
             for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
-                if (not wait_full_l1(kb, stage_iter, mt)) return false;
+                if constexpr (not kExpandAhead) {
+                    if (not wait_full_l1(kb, stage_iter, mt)) return false;
+                }
                 const int s = stage_iter % kNumStages;
-                if constexpr (kFP4) expand_fp4_tile<kMegaMoEBlockNL1>(s);
+                if constexpr (kFP4 and not kExpandAhead) expand_fp4_tile<kMegaMoEBlockNL1>(s, sm.expanded_b);
                 const float sa0 = sm.token_sf(s, mt.row_in_tile(0)), sa1 = sm.token_sf(s, mt.row_in_tile(1));
-                const float sg = sm.weight_sf(s, 0), su = sm.weight_sf(s, 1);
+                const float sg = sm.weight_sf(s, 0), su = kExpandAhead ? 0.0f : sm.weight_sf(s, 1);
+                uint8_t* const b_tile = kExpandAhead ? sm.expanded(stage_iter) : sm.mma_b(s);
                 const uint64_t da = mma::make_k_major_sw128_desc(sm.stage_a(s) + a_offset);
-                const uint64_t dg = mma::make_k_major_sw128_desc(sm.mma_b(s) + gate_offset);
-                const uint64_t du = mma::make_k_major_sw128_desc(sm.mma_b(s) + up_offset);
+                const uint64_t dg = mma::make_k_major_sw128_desc(b_tile + gate_offset);
+                const uint64_t du = mma::make_k_major_sw128_desc(b_tile + up_offset);
                 if constexpr (kSplitN) {
                     // gate and up of 64 columns each: both issued, one wait
                     float part_g[32], part_u[32];
@@ -1366,11 +1386,27 @@ struct Kernel {
                         mma::FP8MmaN128::fma_k_block(da, half == 0 ? dg : du, part, false);
                         mma::warpgroup_commit();
                         if (kb == 0 and half == 0) read_task_inputs();
+                        if constexpr (kExpandAhead) {
+                            // The next K-block's tile into the other expanded tile while up's wgmma
+                            // runs (expand_fp4_tile's first barrier: both warpgroups' wgmmas of the
+                            // K-block before, which read that tile, are complete)
+                            if (half == 1 and kb + 1 < num_kb) {
+                                if (not wait_full_l1(kb + 1, stage_iter + 1, mt)) {
+                                    mma::warpgroup_wait<0>();
+                                    return false;
+                                }
+                                expand_fp4_tile<kMegaMoEBlockNL1>((stage_iter + 1) % kNumStages, sm.expanded(stage_iter + 1));
+                            }
+                        }
+                        // kExpandAhead: up's scales read again after the expansion (held across
+                        // it, they were spilled: the wgmma's accumulators and acc fill the registers)
+                        float sb = half == 0 ? sg : su, sr0 = sa0, sr1 = sa1;
+                        if (kExpandAhead and half == 1)
+                            sb = sm.weight_sf(s, 1), sr0 = sm.token_sf(s, mt.row_in_tile(0)), sr1 = sm.token_sf(s, mt.row_in_tile(1));
                         mma::warpgroup_wait<0>();
                         mma::fence_operands(part);
                         if (half == 1) release_stage(stage_iter, mt);
-                        const float sb = half == 0 ? sg : su;
-                        const float s0 = sa0 * sb, s1 = sa1 * sb;
+                        const float s0 = sr0 * sb, s1 = sr1 * sb;
                         #pragma unroll
                         for (int i = 0; i < 64; ++i) acc[half * 64 + i] += part[i] * ((i & 2) ? s1 : s0);
                     }
@@ -1412,18 +1448,33 @@ struct Kernel {
             float part[kL2Acc];
             #pragma unroll
             for (int i = 0; i < kL2Acc; ++i) acc[i] = 0.0f;
-            for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
+            if constexpr (kExpandAhead) {   // as in l1_mainloop: each next tile while the wgmma runs
                 if (not wait_full(stage_iter)) return false;
+                expand_fp4_tile<kMegaMoEBlockNL2>(stage_iter % kNumStages, sm.expanded(stage_iter));
+            }
+            for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
+                if constexpr (not kExpandAhead) {
+                    if (not wait_full(stage_iter)) return false;
+                }
                 const int s = stage_iter % kNumStages;
-                if constexpr (kFP4) expand_fp4_tile<kMegaMoEBlockNL2>(s);
+                if constexpr (kFP4 and not kExpandAhead) expand_fp4_tile<kMegaMoEBlockNL2>(s, sm.expanded_b);
                 const float sb = sm.weight_sf(s, 0);
                 const float s0 = sm.token_sf(s, mt.row_in_tile(0)) * sb, s1 = sm.token_sf(s, mt.row_in_tile(1)) * sb;
                 const uint64_t da = mma::make_k_major_sw128_desc(sm.stage_a(s) + a_offset);
-                const uint64_t db = mma::make_k_major_sw128_desc(sm.mma_b(s) + b_offset);
+                const uint64_t db = mma::make_k_major_sw128_desc((kExpandAhead ? sm.expanded(stage_iter) : sm.mma_b(s)) + b_offset);
                 mma::fence_operands(part);
                 mma::warpgroup_arrive();
                 FP8L2Mma::fma_k_block(da, db, part, false);
                 mma::warpgroup_commit();
+                if constexpr (kExpandAhead) {
+                    if (kb + 1 < num_kb) {
+                        if (not wait_full(stage_iter + 1)) {
+                            mma::warpgroup_wait<0>();
+                            return false;
+                        }
+                        expand_fp4_tile<kMegaMoEBlockNL2>((stage_iter + 1) % kNumStages, sm.expanded(stage_iter + 1));
+                    }
+                }
                 mma::warpgroup_wait<0>();
                 mma::fence_operands(part);
                 release_stage(stage_iter, mt);
