@@ -141,7 +141,7 @@ inline MegaMoEConfig get_mega_moe_config(MmaType mma_type, int num_ranks, int nu
     // the 128B-swizzled tiles ("other" below: all fixed bytes but the epilogue).
     c.smem_a_per_stage = c.block_m * 128 + mega_moe_stage_sf_bytes(mma_type, c.block_m);
     c.smem_b_per_stage = mega_moe_stage_bytes(mma_type, c.block_m) + mega_moe_stage_extra_bytes(mma_type, c.block_m) - c.smem_a_per_stage;
-    c.smem_epilogue = mega_moe_epilogue_bytes(c.block_m);
+    c.smem_epilogue = mega_moe_epilogue_smem_bytes(mma_type, c.block_m);   // 0 where it lies in the expanded tiles
     const int per_stage = c.smem_a_per_stage + c.smem_b_per_stage;
     int num_stages = kMaxStages;
     while (num_stages >= kMinStages and mega_moe_smem_bytes(mma_type, c.block_m, num_stages) > max_smem_bytes) --num_stages;

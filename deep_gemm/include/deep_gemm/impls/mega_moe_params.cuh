@@ -85,6 +85,14 @@ DG_HOST_DEVICE constexpr int mega_moe_expanded_b_bytes(MmaType t, int block_m) {
 }
 DG_HOST_DEVICE constexpr int mega_moe_stage_bytes(MmaType t, int block_m) { return block_m * 128 + mega_moe_stage_b_bytes(t); }
 DG_HOST_DEVICE constexpr int mega_moe_epilogue_bytes(int block_m) { return block_m * kMegaMoEEpilogueRowBytes; }
+// Prefill FP8 x FP4: the epilogue tile lies in the two expanded tiles, idle from a task's last wgmma
+// (both warpgroups meet at a barrier after it) to the next task's first expansion, so that the
+// second tile costs no stage (4 stages, as with one tile)
+DG_HOST_DEVICE constexpr bool mega_moe_epilogue_in_expanded(MmaType t, int block_m) { return mega_moe_expanded_b_tiles(t, block_m) == 2; }
+DG_HOST_DEVICE constexpr int mega_moe_epilogue_smem_bytes(MmaType t, int block_m) {
+    return mega_moe_epilogue_in_expanded(t, block_m) ? 0 : mega_moe_epilogue_bytes(block_m);
+}
+static_assert(mega_moe_epilogue_bytes(128) <= 2 * kMegaMoEBlockNL1 * 128, "the prefill epilogue tile fits in the expanded tiles");
 // Per stage, next to the tiles: the M-block's activation scales for the K-block (FP8 activations,
 // block_m floats), the B tile's exponent deltas (FP8 x FP4, 256 rows x 4 groups) and the B tile's
 // FP32 weight block scales (FP8 activations: gate and up for L1, one for L2, padded to 16 bytes),
@@ -145,7 +153,7 @@ DG_HOST_DEVICE constexpr int mega_moe_combine_bar_bytes(int block_m) {
 DG_HOST_DEVICE constexpr int mega_moe_smem_bytes(MmaType t, int block_m, int num_stages) {
     // +1024: the dynamic shared-memory base is re-aligned to 1024 B for the swizzled tiles
     return num_stages * (mega_moe_stage_bytes(t, block_m) + mega_moe_stage_extra_bytes(t, block_m)) +
-           mega_moe_expanded_b_bytes(t, block_m) + mega_moe_epilogue_bytes(block_m) + mega_moe_pull_staging_bytes(t, block_m) +
+           mega_moe_expanded_b_bytes(t, block_m) + mega_moe_epilogue_smem_bytes(t, block_m) + mega_moe_pull_staging_bytes(t, block_m) +
            mega_moe_combine_bar_bytes(block_m) + mega_moe_control_smem_bytes(num_stages) + 1024;
 }
 

@@ -168,11 +168,13 @@ struct Kernel {
     static constexpr int kNumMathThreads = 128 * kNumMathWGs;
     // Prefill FP8 x FP4: two expanded tiles, K-block kb + 1 expanded while kb's wgmma runs
     static constexpr bool kExpandAhead = kFP4 and mega_moe_expanded_b_tiles(kMmaType, BLOCK_M) == 2;
+    static constexpr bool kEpilogueInExpanded = mega_moe_epilogue_in_expanded(kMmaType, BLOCK_M);
+    static_assert(kEpilogueInExpanded == kExpandAhead, "the epilogue tile shares the expanded tiles only where they are two");
     static constexpr int kNumRingConsumers = kNumDispatchThreads + 128 * kNumMathWGs;
     static_assert(kStageBytes == kABytes + (kFP4 ? kMegaMoEBlockNL1 * kMegaMoEPackedRowBytes : kBBytesL1));
     // FP8 x FP4: the deltas' tensor copy lands at each stage's delta slot, 128-byte aligned (the base
     // is 1024-aligned; the stages, the expanded tile and the epilogue tile are whole 128-byte units)
-    static_assert(not kFP4 or ((kNumStages * kStageBytes + mega_moe_expanded_b_bytes(kMmaType, BLOCK_M) + mega_moe_epilogue_bytes(BLOCK_M)) % 128 == 0 and
+    static_assert(not kFP4 or ((kNumStages * kStageBytes + mega_moe_expanded_b_bytes(kMmaType, BLOCK_M) + mega_moe_epilogue_smem_bytes(kMmaType, BLOCK_M)) % 128 == 0 and
                                kStageExtraBytes % 128 == 0 and kStageSfBytes % 128 == 0),
                   "FP8 x FP4 delta slots must be 128-byte aligned");
     static_assert(kStageExtraBytes % 16 == 0 and kStageSfBytes % 16 == 0 and kStageDeltaBytes % 16 == 0,
@@ -212,8 +214,9 @@ struct Kernel {
         __device__ explicit Smem(uint8_t* base) {
             stages = base;
             expanded_b = base + kNumStages * kStageBytes;     // stage sizes are multiples of 1024
-            epilogue = expanded_b + mega_moe_expanded_b_bytes(kMmaType, BLOCK_M);
-            extras = epilogue + mega_moe_epilogue_bytes(BLOCK_M);
+            // prefill FP8 x FP4: the epilogue tile in the expanded tiles (mega_moe_epilogue_in_expanded)
+            epilogue = kEpilogueInExpanded ? expanded_b : expanded_b + mega_moe_expanded_b_bytes(kMmaType, BLOCK_M);
+            extras = expanded_b + mega_moe_expanded_b_bytes(kMmaType, BLOCK_M) + mega_moe_epilogue_smem_bytes(kMmaType, BLOCK_M);
             auto* c = extras + kNumStages * kStageExtraBytes;
             pull_staging = reinterpret_cast<uint8_t*>(align_up<uintptr_t>(reinterpret_cast<uintptr_t>(c), 128));
             pull_bars = reinterpret_cast<uint64_t*>(pull_staging + kPullSlots * kMegaMoEPullSlotBytes);
@@ -2083,6 +2086,15 @@ struct Kernel {
         if (mt.wg == 0 and mt.tid == 0) trace(kTraceCombineEnd);
     }
 
+    // Prefill FP8 x FP4 (kEpilogueInExpanded): before a task's epilogue writes its tile, which lies in
+    // the expanded tiles, both warpgroups' wgmmas of the task (which read them) are complete: each
+    // waited for its own before it arrives here. (The next task's first expansion meets the other
+    // way round at expand_fp4_tile's first barrier, after both epilogues.) Every thread of both
+    // reaches it or neither: the leave decisions before it follow from the stages.
+    __device__ void epilogue_tile_free() const {
+        if constexpr (kEpilogueInExpanded) named_barrier(kBarrierMathAll, kNumMathThreads);
+    }
+
     __device__ void math(int wg) {
         MathThread mt;
         mt.wg = wg;
@@ -2120,6 +2132,7 @@ struct Kernel {
                     // Never split (l1_split > 1 only when every tile is narrow: max_tokens <= kNarrowRows
                     // in build_layout); the wide loop runs all of H's K-blocks, as the producer streams them
                     if (not l1_mainloop(m, stage_iter, mt, acc, row_w) or task_stages_dead(stage_iter)) break;
+                    epilogue_tile_free();
                     l1_epilogue(m, j, rows, mt, acc, row_w);
                 }
                 if (mt.tid == 0 and mt.wg == 0) trace(kTraceL1End);
@@ -2134,6 +2147,7 @@ struct Kernel {
                     narrow_l2_epilogue(m, j, rows, mt, narrow_acc);
                 } else if constexpr (kL2Tiles == 1) {
                     if (not l2_mainloop(stage_iter, mt, acc) or task_stages_dead(stage_iter)) break;
+                    epilogue_tile_free();
                     l2_epilogue(m, j, rows, mt, acc);
                 } else {   // a 256-wide task of a wide M-block: its two 128-column tiles, as the producer streams them
                     if (not l2_mainloop(stage_iter, mt, acc) or task_stages_dead(stage_iter)) break;
