@@ -138,7 +138,7 @@ DG_HOST_DEVICE constexpr int mega_moe_pull_staging_bytes(MmaType t, int block_m)
 }
 // Prefill combines (BLOCK_M = 128) move the top-k rows of y's chunks through shared memory with bulk
 // copies: each math warpgroup owns kMegaMoECombineBufs buffers in its half of the pipeline stages
-// (idle once a CTA reaches its combine: every stage of the rank's GEMMs has been read when
+// (FP8 x FP4: and of the expanded tiles after them; idle once a CTA reaches its combine: every stage of the rank's GEMMs has been read when
 // combine_ready is in), each buffer one batch of up to kMegaMoECombinePlanes top-k planes of 128
 // 16-byte chunks, so a CTA has up to 2 x 4 x 16 KB of rows in flight where the register combine had
 // 256 x 4 x 16 B. Their mbarriers (one per buffer) are the only bytes this adds to the budget.

@@ -793,7 +793,8 @@ struct Kernel {
     // (docs/PERF.md).
     static constexpr int kMathCombineSlots = kSplitN ? 8 : 4;
     // The prefill kernels combine through shared memory where each math warpgroup's buffers fit its
-    // half of the stages (H100 / H200: FP8 and BF16 at 3 stages, FP8 x FP4 at 4); with fewer stages
+    // half of the stages (H100 / H200: FP8 and BF16 at 3 stages, FP8 x FP4 at 4 and its two expanded
+    // tiles); with fewer stages
     // (a smaller shared memory) they keep the register combine
     static constexpr bool kBulkCombine = mega_moe_has_bulk_combine(BLOCK_M) and
                                          Smem::kCombineHalfBytes >= kMegaMoECombineBufs * kMegaMoECombineBufBytes;
@@ -1981,7 +1982,7 @@ struct Kernel {
     // brought through shared memory. A combine task's chunks of y [first, last) are the same byte
     // range of every top-k plane of the combine slots ([k][token][hidden], token-major like y), so
     // a batch is one bulk copy per plane: chunks [c0, c0 + 128) of planes [k0, k0 + 8), into one of
-    // the warpgroup's kMegaMoECombineBufs buffers (16 KB each, its half of the stages), completed on
+    // the warpgroup's kMegaMoECombineBufs buffers (16 KB each, in its Smem::kCombineHalfBytes), completed on
     // that buffer's mbarrier. Each warpgroup takes half of the task's range and runs alone: its own
     // buffers, mbarriers and barrier (no barrier spans the warpgroups: on abort each leaves its task
     // loop by its own decision). Thread t sums chunk c0 + t over the valid planes of its token
