@@ -34,7 +34,8 @@ def expected_smem(mma_type, block_m, stages):
     # the B tile's exponent deltas (256 rows x 4 bytes), and rounds those per-stage extras up to 128
     # bytes (the deltas' tensor copy lands at a 128-byte boundary). Prefill tiles (block_m 128) add
     # the pull's staging slots: 16 (FP8 x FP4: 8) of 2 KB, an mbarrier each, 128 bytes of alignment,
-    # and the bulk combine's mbarriers: 4 buffers per math warpgroup (its buffers are in the stages).
+    # and the bulk combine's mbarriers: 4 buffers per math warpgroup (its buffers are in the stages and
+    # FP4's expanded tiles).
     block_k = 64 if mma_type == 'bf16xbf16' else 128
     elem = 2 if mma_type == 'bf16xbf16' else 1
     fp8 = mma_type != 'bf16xbf16'
@@ -95,13 +96,12 @@ def test_stages_are_the_most_that_fit(mma_type, num_tokens, max_smem):
 
 
 def test_h200_stage_counts():
-    # 232448 bytes, FP8: block_m 64 -> 5 x (40960 + 256) + 17408 + 2048 + 5120 + 1024 = 231680 fits
-    # (6 would not); block_m 128 -> 3 x (49152 + 512) + 34816 + 2048 + 5120 + 1024 = 192000 (4 would need 241664).
+    # 232448 bytes (expected_smem): FP8 block_m 64 -> 5 stages in 229712 (6 would need 270944),
+    # block_m 128 -> 3 in 223088 (4: 272768; its 16 pull slots and the epilogue tile take 68 KB).
     # FP8 x FP4 stages hold the packed tile (16 KB + 1 KB of deltas instead of 32 KB) next to fixed
-    # 32 KB expanded tiles, one at block_m 64 -> 6 x (8448 + 17408) + 32768 + 17408 + 2048 + 5120 +
-    # 1024 = 213504 (7 would need 239360), two at block_m 128, which also hold the epilogue tile ->
-    # 4 x (16384 + 16384 + 1664 extras) + 65536 + 16576 (pull slots) + 64 + 5120 + 1024 = 226048 (5
-    # would need 260480).
+    # 32 KB expanded tiles: one at block_m 64 -> 6 stages in 212224 (7: 239232); two at block_m 128,
+    # which also hold the epilogue tile -> 4 x (16384 + 16384 + 1664 extras) + 65536 + 16576 (8 pull
+    # slots) + 64 + 5120 + 1024 = 226048 (5 would need 260480).
     for mma_type in MMA_TYPES:
         fp4 = mma_type == 'fp8xfp4'
         assert config(mma_type, num_tokens=1)['num_stages'] == (6 if fp4 else 5)

@@ -126,8 +126,8 @@ static_assert(kMaxRanks <= (1 << (32 - kPullTokenBits)), "a rank index fits the 
 // Prefill pulls (BLOCK_M = 128) move rows through shared memory with bulk copies: slot i (2 KB)
 // belongs to dispatch thread i, which loads a piece of a row into it and stores it into the pool,
 // so the pull has slots x 2 KB in flight instead of what the dispatch threads' registers hold
-// (96 x 64 B). It fits in what the stages leave of an H100 / H200 SM (FP8 / BF16: 3 stages use
-// 190 KB of 227; FP8 x FP4: 4 stages 211 KB); decode tiles (BLOCK_M = 64) pull a few rows and keep
+// (96 x 64 B). It fits in what the stages leave of an H100 / H200 SM (FP8 / BF16: 3 stages and the
+// epilogue tile use 190 KB of 227; FP8 x FP4: 4 stages and the expanded tiles 203 KB); decode tiles (BLOCK_M = 64) pull a few rows and keep
 // every byte for their deeper rings. Per slot: the bytes and one mbarrier; +128 to align the slots.
 constexpr int kMegaMoEPullSlotBytes = 2048;
 DG_HOST_DEVICE constexpr int mega_moe_pull_slots(MmaType t, int block_m) {

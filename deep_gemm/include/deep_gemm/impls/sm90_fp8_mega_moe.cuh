@@ -170,6 +170,8 @@ struct Kernel {
     static constexpr bool kExpandAhead = kFP4 and mega_moe_expanded_b_tiles(kMmaType, BLOCK_M) == 2;
     static constexpr bool kEpilogueInExpanded = mega_moe_epilogue_in_expanded(kMmaType, BLOCK_M);
     static_assert(kEpilogueInExpanded == kExpandAhead, "the epilogue tile shares the expanded tiles only where they are two");
+    static_assert(not kEpilogueInExpanded or kL2BlockN == kMegaMoEBlockNL2,
+                  "a two-tile L2 task would need epilogue_tile_free() between its tiles");
     static constexpr int kNumRingConsumers = kNumDispatchThreads + 128 * kNumMathWGs;
     static_assert(kStageBytes == kABytes + (kFP4 ? kMegaMoEBlockNL1 * kMegaMoEPackedRowBytes : kBBytesL1));
     // FP8 x FP4: the deltas' tensor copy lands at each stage's delta slot, 128-byte aligned (the base
@@ -794,8 +796,8 @@ struct Kernel {
     static constexpr int kMathCombineSlots = kSplitN ? 8 : 4;
     // The prefill kernels combine through shared memory where each math warpgroup's buffers fit its
     // half of the stages (H100 / H200: FP8 and BF16 at 3 stages, FP8 x FP4 at 4 and its two expanded
-    // tiles); with fewer stages
-    // (a smaller shared memory) they keep the register combine
+    // tiles); FP8 and BF16 with fewer stages (a smaller shared memory) keep the register combine
+    // (FP8 x FP4's halves hold the buffers at any stage count)
     static constexpr bool kBulkCombine = mega_moe_has_bulk_combine(BLOCK_M) and
                                          Smem::kCombineHalfBytes >= kMegaMoECombineBufs * kMegaMoECombineBufBytes;
     static constexpr int kNumCombineThreads = kNumMathThreads;
@@ -1994,7 +1996,8 @@ struct Kernel {
     // math warpgroup of every CTA of the rank finished its L2 tasks (their wgmma reads of the stages
     // complete before their epilogues); every stage the producer armed was waited for by the math
     // before that, and after the first combine ticket the producer arms none (later tickets are
-    // combine tasks or the end).
+    // combine tasks or the end). FP8 x FP4: so are the expanded tiles, which also hold the epilogue
+    // tile (generic stores, then these bulk copies' async-proxy writes: math() fences them).
     template <typename OnReady>
     __device__ void combine_bulk(int c, const MathThread& mt, uint32_t& batches, OnReady&& on_ready) {
         wait_combine_ready(mt.tid);
@@ -2110,6 +2113,12 @@ struct Kernel {
             const int t = next_task(i, total, false);
             const bool is_combine = t >= tasks.l2_end() and t < total;
             if (not is_combine) release_task(i);
+            // kEpilogueInExpanded: this thread's epilogue stores into the expanded tiles (generic
+            // proxy) before the bulk combine's copies into them (async proxy), ordered by the
+            // barrier below and combine_ready
+            if constexpr (kEpilogueInExpanded) {
+                if (is_combine) fence_proxy_async_shared();
+            }
             // Leave together: the math warpgroups meet at barriers and wgmma until the task ends
             if (math_any(t >= total or sm.ctrl->abort, mt)) {
                 if (is_combine) release_task(i);
