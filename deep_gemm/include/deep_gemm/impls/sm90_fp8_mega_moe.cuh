@@ -167,9 +167,8 @@ struct Kernel {
     static constexpr int kStageDeltaBytes = mega_moe_stage_deltas_bytes(kMmaType);
     static constexpr int kNumMathThreads = 128 * kNumMathWGs;
     // Prefill FP8 x FP4: two expanded tiles, K-block kb + 1 expanded while kb's wgmma runs
-    static constexpr bool kExpandAhead = kFP4 and mega_moe_expanded_b_tiles(kMmaType, BLOCK_M) == 2;
-    static constexpr bool kEpilogueInExpanded = mega_moe_epilogue_in_expanded(kMmaType, BLOCK_M);
-    static_assert(kEpilogueInExpanded == kExpandAhead, "the epilogue tile shares the expanded tiles only where they are two");
+    static constexpr bool kExpandAhead = mega_moe_expanded_b_tiles(kMmaType, BLOCK_M) == 2;
+    static constexpr bool kEpilogueInExpanded = mega_moe_epilogue_in_expanded(kMmaType, BLOCK_M);   // the same kernels
     static_assert(not kEpilogueInExpanded or kL2BlockN == kMegaMoEBlockNL2,
                   "a two-tile L2 task would need epilogue_tile_free() between its tiles");
     static constexpr int kNumRingConsumers = kNumDispatchThreads + 128 * kNumMathWGs;
@@ -254,10 +253,13 @@ struct Kernel {
         // Stage addresses are computed, not stored: an array indexed by a run-time stage would live in local memory
         __device__ uint8_t* stage_a(int s) const { return stages + s * kStageBytes; }
         __device__ uint8_t* stage_b(int s) const { return stages + s * kStageBytes + kABytes; }
-        // The B tile the wgmma of stage s reads
-        __device__ uint8_t* mma_b(int s) const { return kFP4 ? expanded_b : stage_b(s); }
         // Prefill FP8 x FP4 (two expanded tiles): the one of the stage_iter-th stage, by its parity
         __device__ uint8_t* expanded(uint32_t stage_iter) const { return expanded_b + (stage_iter & 1) * kBBytesL1; }
+        // The B tile the wgmma of the stage_iter-th stage (ring slot s) reads: the stage's own, or
+        // FP8 x FP4's expanded tile (prefill: of two, by the stage's parity)
+        __device__ uint8_t* mma_b(int s, uint32_t stage_iter) const {
+            return kExpandAhead ? expanded(stage_iter) : kFP4 ? expanded_b : stage_b(s);
+        }
         __device__ float* stage_sf(int s) const { return reinterpret_cast<float*>(extras + s * kStageExtraBytes); }
         __device__ uint8_t* stage_deltas(int s) const { return extras + s * kStageExtraBytes + kStageSfBytes; }
         // The K-block's FP32 weight block scales of the B tile, one per 128-row block: L1 [gate, up],
@@ -1361,7 +1363,7 @@ struct Kernel {
                 if constexpr (kFP4 and not kExpandAhead) expand_fp4_tile<kMegaMoEBlockNL1>(s, sm.expanded_b);
                 const float sa0 = sm.token_sf(s, mt.row_in_tile(0)), sa1 = sm.token_sf(s, mt.row_in_tile(1));
                 const float sg = sm.weight_sf(s, 0), su = kExpandAhead ? 0.0f : sm.weight_sf(s, 1);
-                uint8_t* const b_tile = kExpandAhead ? sm.expanded(stage_iter) : sm.mma_b(s);
+                uint8_t* const b_tile = sm.mma_b(s, stage_iter);
                 const uint64_t da = mma::make_k_major_sw128_desc(sm.stage_a(s) + a_offset);
                 const uint64_t dg = mma::make_k_major_sw128_desc(b_tile + gate_offset);
                 const uint64_t du = mma::make_k_major_sw128_desc(b_tile + up_offset);
@@ -1427,8 +1429,8 @@ struct Kernel {
                 if (not wait_full(stage_iter)) return false;
                 const int s = stage_iter % kNumStages;
                 const uint64_t da = mma::make_k_major_sw128_desc(sm.stage_a(s) + a_offset);
-                const uint64_t dg = mma::make_k_major_sw128_desc(sm.mma_b(s) + gate_offset);
-                const uint64_t du = mma::make_k_major_sw128_desc(sm.mma_b(s) + up_offset);
+                const uint64_t dg = mma::make_k_major_sw128_desc(sm.mma_b(s, stage_iter) + gate_offset);
+                const uint64_t du = mma::make_k_major_sw128_desc(sm.mma_b(s, stage_iter) + up_offset);
                 mma::fence_operands(acc);
                 mma::warpgroup_arrive();
                 if constexpr (kSplitN) {
@@ -1467,7 +1469,7 @@ struct Kernel {
                 const float sb = sm.weight_sf(s, 0);
                 const float s0 = sm.token_sf(s, mt.row_in_tile(0)) * sb, s1 = sm.token_sf(s, mt.row_in_tile(1)) * sb;
                 const uint64_t da = mma::make_k_major_sw128_desc(sm.stage_a(s) + a_offset);
-                const uint64_t db = mma::make_k_major_sw128_desc((kExpandAhead ? sm.expanded(stage_iter) : sm.mma_b(s)) + b_offset);
+                const uint64_t db = mma::make_k_major_sw128_desc(sm.mma_b(s, stage_iter) + b_offset);
                 mma::fence_operands(part);
                 mma::warpgroup_arrive();
                 FP8L2Mma::fma_k_block(da, db, part, false);
@@ -1492,7 +1494,7 @@ struct Kernel {
                 if (not wait_full(stage_iter)) return false;
                 const int s = stage_iter % kNumStages;
                 const uint64_t da = mma::make_k_major_sw128_desc(sm.stage_a(s) + a_offset);
-                const uint64_t db = mma::make_k_major_sw128_desc(sm.mma_b(s) + b_offset);
+                const uint64_t db = mma::make_k_major_sw128_desc(sm.mma_b(s, stage_iter) + b_offset);
                 mma::fence_operands(acc);
                 mma::warpgroup_arrive();
                 BF16L2Mma::fma_k_block(da, db, acc, kb > 0);
@@ -1707,8 +1709,8 @@ struct Kernel {
             if (not wait_full_l1(kb, stage_iter, mt)) return false;
             const int s = stage_iter % kNumStages;
             const uint64_t dt = mma::make_k_major_sw128_desc(sm.stage_a(s));
-            const uint64_t dg = mma::make_k_major_sw128_desc(sm.mma_b(s) + gate_offset);
-            const uint64_t du = mma::make_k_major_sw128_desc(sm.mma_b(s) + up_offset);
+            const uint64_t dg = mma::make_k_major_sw128_desc(sm.mma_b(s, stage_iter) + gate_offset);
+            const uint64_t du = mma::make_k_major_sw128_desc(sm.mma_b(s, stage_iter) + up_offset);
             if constexpr (kFP8) {
                 const float sa0 = sm.token_sf(s, nt.c0), sa1 = sm.token_sf(s, nt.c0 + 1);
                 const float sg = sm.weight_sf(s, 0), su = sm.weight_sf(s, 1);
@@ -1884,7 +1886,7 @@ struct Kernel {
             if (not wait_full(stage_iter)) return false;
             const int s = stage_iter % kNumStages;
             const uint64_t dt = mma::make_k_major_sw128_desc(sm.stage_a(s));
-            const uint64_t db = mma::make_k_major_sw128_desc(sm.mma_b(s) + b_offset);
+            const uint64_t db = mma::make_k_major_sw128_desc(sm.mma_b(s, stage_iter) + b_offset);
             if constexpr (kFP8) {
                 const float sb = sm.weight_sf(s, kL2Tiles == 2 ? mt.wg : 0);
                 const float s0 = sm.token_sf(s, nt.c0) * sb, s1 = sm.token_sf(s, nt.c0 + 1) * sb;
