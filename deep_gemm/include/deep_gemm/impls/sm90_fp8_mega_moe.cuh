@@ -1716,13 +1716,19 @@ struct Kernel {
                 const float sg = sm.weight_sf(s, 0), su = sm.weight_sf(s, 1);
                 float part_g[4], part_u[4];
                 FP4Fragments ag, au;     // FP8 x FP4: A fragments of gate (row block 0) and up (row block 1)
-                if constexpr (kFP4) narrow_fp4_fragments(s, mt.wg * 64, mt, ag), narrow_fp4_fragments(s, 128 + mt.wg * 64, mt, au);
                 mma::fence_operands(part_g), mma::fence_operands(part_u);
-                mma::warpgroup_arrive();
                 if constexpr (kFP4) {
+                    // gate's wgmmas run while up's fragments are expanded (a second wgmma.fence
+                    // before up's, whose A registers were written after the first)
+                    narrow_fp4_fragments(s, mt.wg * 64, mt, ag);
+                    mma::warpgroup_arrive();
                     mma::FP8MmaRegAN8::fma_k_block(ag, dt, part_g, false);
+                    mma::warpgroup_commit();
+                    narrow_fp4_fragments(s, 128 + mt.wg * 64, mt, au);
+                    mma::warpgroup_arrive();
                     mma::FP8MmaRegAN8::fma_k_block(au, dt, part_u, false);
                 } else {
+                    mma::warpgroup_arrive();
                     mma::FP8MmaN8::fma_k_block(dg, dt, part_g, false);
                     mma::FP8MmaN8::fma_k_block(du, dt, part_u, false);
                 }
@@ -1895,14 +1901,22 @@ struct Kernel {
                 // read, b_offset / 128 + 64 t = (kL2Tiles wg + t) * 64 (256 wide: halves of row block wg)
                 FP4Fragments ab;
                 [[maybe_unused]] FP4Fragments ab1;   // a 256-wide tile's second M tile
-                if constexpr (kFP4) {
-                    narrow_fp4_fragments(s, mt.wg * kL2Tiles * 64, mt, ab);
-                    if constexpr (kL2Tiles == 2) narrow_fp4_fragments(s, mt.wg * kL2Tiles * 64 + 64, mt, ab1);
-                }
                 mma::fence_operands(part);
-                mma::warpgroup_arrive();
-                if constexpr (kFP4) narrow_l2_fma(ab, ab1, dt, part);
-                else narrow_l2_fma<mma::FP8MmaN8>(db, dt, part, false);
+                if constexpr (kFP4) {
+                    // a 256-wide tile: the first M tile's wgmmas run while the second's fragments are expanded
+                    narrow_fp4_fragments(s, mt.wg * kL2Tiles * 64, mt, ab);
+                    mma::warpgroup_arrive();
+                    mma::FP8MmaRegAN8::fma_k_block(ab, dt, *reinterpret_cast<float (*)[4]>(part), false);
+                    if constexpr (kL2Tiles == 2) {
+                        mma::warpgroup_commit();
+                        narrow_fp4_fragments(s, mt.wg * kL2Tiles * 64 + 64, mt, ab1);
+                        mma::warpgroup_arrive();
+                        mma::FP8MmaRegAN8::fma_k_block(ab1, dt, *reinterpret_cast<float (*)[4]>(part + 4), false);
+                    }
+                } else {
+                    mma::warpgroup_arrive();
+                    narrow_l2_fma<mma::FP8MmaN8>(db, dt, part, false);
+                }
                 mma::warpgroup_commit();
                 mma::warpgroup_wait<0>();
                 mma::fence_operands(part);
@@ -1933,15 +1947,6 @@ struct Kernel {
         } else {
             Mma::fma_k_block(db, dt, *reinterpret_cast<float (*)[4]>(d), accumulate);
             Mma::fma_k_block(mma::advance_desc(db, 64 * 128), dt, *reinterpret_cast<float (*)[4]>(d + 4), accumulate);
-        }
-    }
-    // The same for FP8 x FP4, A from registers: a0, a1 the fragments of M tiles 0, 1 (a1 unused at 128 wide)
-    __device__ static void narrow_l2_fma(const FP4Fragments& a0, const FP4Fragments& a1, uint64_t dt, float (&d)[4 * kL2Tiles]) {
-        if constexpr (kL2Tiles == 1) {
-            mma::FP8MmaRegAN8::fma_k_block(a0, dt, d, false);
-        } else {
-            mma::FP8MmaRegAN8::fma_k_block(a0, dt, *reinterpret_cast<float (*)[4]>(d), false);
-            mma::FP8MmaRegAN8::fma_k_block(a1, dt, *reinterpret_cast<float (*)[4]>(d + 4), false);
         }
     }
 
