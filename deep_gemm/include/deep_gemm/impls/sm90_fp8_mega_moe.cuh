@@ -233,13 +233,14 @@ struct Kernel {
             mblock_begin = expert_tokens + kMegaMoEMaxLocalExperts;
             pull_rows = reinterpret_cast<uint32_t*>(mblock_begin + kMegaMoEMaxLocalExperts + 1);
             ctrl = reinterpret_cast<SharedControl*>(align_up<uintptr_t>(reinterpret_cast<uintptr_t>(pull_rows + L::kMaxBlockM), 16));
-            fp4_table = reinterpret_cast<uint8_t*>(align_up<uintptr_t>(reinterpret_cast<uintptr_t>(ctrl + 1), 16));
+            // 256-aligned: a table row's address is the base with its low byte replaced (fp4_magnitudes)
+            fp4_table = reinterpret_cast<uint8_t*>(align_up<uintptr_t>(reinterpret_cast<uintptr_t>(ctrl + 1), 256));
         }
         // The control block as carved above (its start is 16-aligned), padding included, against
         // the budget the host allocates (mega_moe_control_smem_bytes)
         static constexpr int kControlBytesUsed =
             align_up(align_up(kNumStages * 16 + kMegaMoETaskRing * 20 + (2 * kMegaMoEMaxLocalExperts + 1) * 4 + L::kMaxBlockM * 4, 16) +
-                     static_cast<int>(sizeof(SharedControl)), 16) + 256;
+                     static_cast<int>(sizeof(SharedControl)), 256) + 256;
         static_assert(kControlBytesUsed <= mega_moe_control_smem_bytes(kNumStages), "control block outgrew its budget");
         // The pull's slots and their mbarriers, after re-aligning to 128 B (at most 127 B lost), within the host's budget
         static constexpr int kSlots = mega_moe_pull_slots(kMmaType, BLOCK_M);
@@ -1252,11 +1253,11 @@ struct Kernel {
     // A row's delta word (byte g: group g's delta) as the byte offsets of its 4 table rows (16 bytes
     // per delta). Weights are host data: the mask keeps a corrupted byte from indexing past the table.
     __device__ __forceinline__ static uint32_t fp4_table_offsets(uint32_t deltas) { return (deltas << 4) & 0xF0F0F0F0u; }
-    // The table row (E4M3 magnitudes of codes 0..7) of group g, from fp4_table_offsets: byte g
-    // zero-extended by one prmt (selector nibbles 4: byte 0 of the zero operand), 6 instructions
-    // per 4 groups where a shift and a mask per group took 8
+    // The table row (E4M3 magnitudes of codes 0..7) of group g, from fp4_table_offsets: the table
+    // is 256-aligned, so one prmt puts byte g of the offsets below the table address's upper three
+    // bytes (selector 0x765g) and the address needs no add (nor a uniform register for the base)
     __device__ __forceinline__ uint2 fp4_magnitudes(uint32_t offsets, int g) const {
-        return ld_shared_v2(smem_addr(sm.fp4_table) + prmt(offsets, 0u, 0x4440u + g));
+        return ld_shared_v2(prmt(offsets, smem_addr(sm.fp4_table), 0x7650u + g));
     }
 
     // Wide tiles: expand the stage's packed B tile into the E4M3 tile `dst` the wgmma reads
