@@ -1256,9 +1256,17 @@ struct Kernel {
     // The table row (E4M3 magnitudes of codes 0..7) of group g, from fp4_table_offsets: the table
     // is 256-aligned, so one prmt puts byte g of the offsets below the table address's upper three
     // bytes (selector 0x765g) and the address needs no add (nor a uniform register for the base)
-    __device__ __forceinline__ uint2 fp4_magnitudes(uint32_t offsets, int g) const {
-        return ld_shared_v2(prmt(offsets, smem_addr(sm.fp4_table), 0x7650u + g));
+    // A value the compiler cannot recompute (it re-derived the table address from the control
+    // block's in every K-block, in uniform registers: 4 instructions per K-block)
+    __device__ __forceinline__ static uint32_t opaque_u32(uint32_t v) {
+        uint32_t r;
+        asm volatile("mov.b32 %0, %1;" : "=r"(r) : "r"(v));
+        return r;
     }
+    __device__ __forceinline__ static uint2 fp4_magnitudes(uint32_t offsets, int g, uint32_t table) {
+        return ld_shared_v2(prmt(offsets, table, 0x7650u + g));
+    }
+    __device__ __forceinline__ uint2 fp4_magnitudes(uint32_t offsets, int g) const { return fp4_magnitudes(offsets, g, smem_addr(sm.fp4_table)); }
 
     // Wide tiles: expand the stage's packed B tile into the E4M3 tile `dst` the wgmma reads
     // (decode: sm.expanded_b, one for all stages; prefill: sm.expanded(stage_iter), two, the next
@@ -1671,26 +1679,45 @@ struct Kernel {
     // word ks of the chunk expands to frag[ks][h] (K 32 ks + 4 (lane % 4) + [0, 4)) and frag[ks][2 + h]
     // (the same + 16), the layout of mma::WgmmaRS. Same rule as expand_fp4_tile (bit-identical).
     using FP4Fragments = uint32_t[mma::kWgmmaStepsPerKBlock][4];
-    __device__ void narrow_fp4_fragments(int s, int row0, const MathThread& mt, FP4Fragments& frag) const {
+    struct FP4Rows {             // a thread's two rows of one 64-row M tile: code chunks, table offsets
+        uint4 codes[2];
+        uint32_t offsets[2];
+    };
+    __device__ void narrow_fp4_load(int s, int row0, const MathThread& mt, FP4Rows& r) const {
         const int row = row0 + mt.warp * 16 + mt.lane / 4;
         const uint32_t packed = smem_addr(sm.stage_b(s)) + row * kMegaMoEPackedRowBytes + (mt.lane % 4) * kMegaMoEFP4ChunkBytes;
         const uint32_t deltas = smem_addr(sm.stage_deltas(s)) + row * 4;
-        uint4 codes[2];
-        uint32_t offsets[2];
         #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            codes[h] = ld_shared_v4(packed + h * 8 * kMegaMoEPackedRowBytes);
-            offsets[h] = fp4_table_offsets(ld_shared_u32(deltas + h * 8 * 4));
+            r.codes[h] = ld_shared_v4(packed + h * 8 * kMegaMoEPackedRowBytes);
+            r.offsets[h] = fp4_table_offsets(ld_shared_u32(deltas + h * 8 * 4));
         }
+    }
+    // K steps [k0, k0 + kNarrowFP4Steps) of an M tile: expand their fragments, then (wgmma.fence:
+    // their A registers were just written) issue their wgmmas, which run while the caller expands
+    // the next steps. d accumulates from K step 1 on (in-flight accumulation across wgmmas of one
+    // shape needs no fence).
+    static constexpr int kNarrowFP4Steps = 4;
+    static_assert(mma::kWgmmaStepsPerKBlock % kNarrowFP4Steps == 0, "K steps per fence group");
+    __device__ void narrow_fp4_mma(const FP4Rows& r, int k0, FP4Fragments& frag, uint64_t dt, float (&d)[4], uint32_t table) const {
         #pragma unroll
-        for (int h = 0; h < 2; ++h) {
+        for (int ks = k0; ks < k0 + kNarrowFP4Steps; ++ks) {
             #pragma unroll
-            for (int ks = 0; ks < mma::kWgmmaStepsPerKBlock; ++ks) {
-                const uint2 e = expand_e2m1x8(word_of(codes[h], ks), fp4_magnitudes(offsets[h], ks));
+            for (int h = 0; h < 2; ++h) {
+                const uint2 e = expand_e2m1x8(word_of(r.codes[h], ks), fp4_magnitudes(r.offsets[h], ks, table));
                 frag[ks][h] = e.x;
                 frag[ks][2 + h] = e.y;
             }
         }
+        mma::warpgroup_arrive();
+        #pragma unroll
+        for (int ks = k0; ks < k0 + kNarrowFP4Steps; ++ks)
+            mma::FP8MmaRegAN8::fma(frag[ks], mma::advance_desc(dt, ks * mma::kWgmmaKBytes), d, ks > 0);
+    }
+    // One K-block of an M tile
+    __device__ void narrow_fp4_k_block(const FP4Rows& r, FP4Fragments& frag, uint64_t dt, float (&d)[4], uint32_t table) const {
+        #pragma unroll
+        for (int k0 = 0; k0 < mma::kWgmmaStepsPerKBlock; k0 += kNarrowFP4Steps) narrow_fp4_mma(r, k0, frag, dt, d, table);
     }
 
     // L1 on a narrow tile: gate and up of this warpgroup's 64 rows. Also returns the top-k weights
@@ -1703,6 +1730,7 @@ struct Kernel {
         // Read in the first K-block (after its stage wait); the address outside the loop, so that
         // the K-blocks after it pay only the two predicated loads
         const float* tok_w_src = narrow_token_weights(m, nt);
+        [[maybe_unused]] const uint32_t table = opaque_u32(smem_addr(sm.fp4_table));   // FP8 x FP4: once per task
         const auto read_token_weights = [&] { tok_w[0] = __ldcg(tok_w_src), tok_w[1] = __ldcg(tok_w_src + 1); };
         #pragma unroll
         for (int i = 0; i < 4; ++i) gate[i] = up[i] = 0.0f;
@@ -1719,15 +1747,11 @@ struct Kernel {
                 FP4Fragments ag, au;     // FP8 x FP4: A fragments of gate (row block 0) and up (row block 1)
                 mma::fence_operands(part_g), mma::fence_operands(part_u);
                 if constexpr (kFP4) {
-                    // gate's wgmmas run while up's fragments are expanded (a second wgmma.fence
-                    // before up's, whose A registers were written after the first)
-                    narrow_fp4_fragments(s, mt.wg * 64, mt, ag);
-                    mma::warpgroup_arrive();
-                    mma::FP8MmaRegAN8::fma_k_block(ag, dt, part_g, false);
-                    mma::warpgroup_commit();
-                    narrow_fp4_fragments(s, 128 + mt.wg * 64, mt, au);
-                    mma::warpgroup_arrive();
-                    mma::FP8MmaRegAN8::fma_k_block(au, dt, part_u, false);
+                    // gate's wgmmas run while up's fragments are expanded
+                    FP4Rows rg, ru;
+                    narrow_fp4_load(s, mt.wg * 64, mt, rg), narrow_fp4_load(s, 128 + mt.wg * 64, mt, ru);
+                    narrow_fp4_k_block(rg, ag, dt, part_g, table);
+                    narrow_fp4_k_block(ru, au, dt, part_u, table);
                 } else {
                     mma::warpgroup_arrive();
                     mma::FP8MmaN8::fma_k_block(dg, dt, part_g, false);
@@ -1887,6 +1911,7 @@ struct Kernel {
         const NarrowThread nt(mt);
         const int num_kb = lay.intermediate_hidden / BLOCK_K;
         const uint32_t b_offset = mt.wg * kL2Tiles * 64 * 128;
+        [[maybe_unused]] const uint32_t table = opaque_u32(smem_addr(sm.fp4_table));   // FP8 x FP4: once per task
         #pragma unroll
         for (int i = 0; i < 4 * kL2Tiles; ++i) acc[i] = 0.0f;
         for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
@@ -1905,15 +1930,12 @@ struct Kernel {
                 mma::fence_operands(part);
                 if constexpr (kFP4) {
                     // a 256-wide tile: the first M tile's wgmmas run while the second's fragments are expanded
-                    narrow_fp4_fragments(s, mt.wg * kL2Tiles * 64, mt, ab);
-                    mma::warpgroup_arrive();
-                    mma::FP8MmaRegAN8::fma_k_block(ab, dt, *reinterpret_cast<float (*)[4]>(part), false);
-                    if constexpr (kL2Tiles == 2) {
-                        mma::warpgroup_commit();
-                        narrow_fp4_fragments(s, mt.wg * kL2Tiles * 64 + 64, mt, ab1);
-                        mma::warpgroup_arrive();
-                        mma::FP8MmaRegAN8::fma_k_block(ab1, dt, *reinterpret_cast<float (*)[4]>(part + 4), false);
-                    }
+                    FP4Rows r0;
+                    [[maybe_unused]] FP4Rows r1;
+                    narrow_fp4_load(s, mt.wg * kL2Tiles * 64, mt, r0);
+                    if constexpr (kL2Tiles == 2) narrow_fp4_load(s, mt.wg * kL2Tiles * 64 + 64, mt, r1);
+                    narrow_fp4_k_block(r0, ab, dt, *reinterpret_cast<float (*)[4]>(part), table);
+                    if constexpr (kL2Tiles == 2) narrow_fp4_k_block(r1, ab1, dt, *reinterpret_cast<float (*)[4]>(part + 4), table);
                 } else {
                     mma::warpgroup_arrive();
                     narrow_l2_fma<mma::FP8MmaN8>(db, dt, part, false);
