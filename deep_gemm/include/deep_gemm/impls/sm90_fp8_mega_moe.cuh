@@ -1255,18 +1255,22 @@ struct Kernel {
     __device__ __forceinline__ static uint32_t fp4_table_offsets(uint32_t deltas) { return (deltas << 4) & 0xF0F0F0F0u; }
     // The table row (E4M3 magnitudes of codes 0..7) of group g, from fp4_table_offsets: the table
     // is 256-aligned, so one prmt puts byte g of the offsets below the table address's upper three
-    // bytes (selector 0x765g) and the address needs no add (nor a uniform register for the base)
-    // A value the compiler cannot recompute (it re-derived the table address from the control
-    // block's in every K-block, in uniform registers: 4 instructions per K-block)
+    // bytes (selector 0x765g) and the address needs no add (nor a uniform register for the base).
+    // Prefill tiles (BLOCK_M 128) keep the older form, byte g zero-extended by one prmt and added
+    // to the base, which ptxas holds in a uniform register there: the form above measured no faster
+    // at prefill and put two more values of the 128-row L1 loop in local memory.
+    __device__ __forceinline__ static uint2 fp4_magnitudes(uint32_t offsets, int g, uint32_t table) {
+        if constexpr (BLOCK_M == 128) return ld_shared_v2(table + prmt(offsets, 0u, 0x4440u + g));
+        else return ld_shared_v2(prmt(offsets, table, 0x7650u + g));
+    }
+    __device__ __forceinline__ uint2 fp4_magnitudes(uint32_t offsets, int g) const { return fp4_magnitudes(offsets, g, smem_addr(sm.fp4_table)); }
+    // A value the compiler cannot recompute: in the narrow loops it re-derived the table address
+    // from the control block's in every K-block (4 uniform instructions per K-block)
     __device__ __forceinline__ static uint32_t opaque_u32(uint32_t v) {
         uint32_t r;
         asm volatile("mov.b32 %0, %1;" : "=r"(r) : "r"(v));
         return r;
     }
-    __device__ __forceinline__ static uint2 fp4_magnitudes(uint32_t offsets, int g, uint32_t table) {
-        return ld_shared_v2(prmt(offsets, table, 0x7650u + g));
-    }
-    __device__ __forceinline__ uint2 fp4_magnitudes(uint32_t offsets, int g) const { return fp4_magnitudes(offsets, g, smem_addr(sm.fp4_table)); }
 
     // Wide tiles: expand the stage's packed B tile into the E4M3 tile `dst` the wgmma reads
     // (decode: sm.expanded_b, one for all stages; prefill: sm.expanded(stage_iter), two, the next
@@ -1695,8 +1699,10 @@ struct Kernel {
     }
     // K steps [k0, k0 + kNarrowFP4Steps) of an M tile: expand their fragments, then (wgmma.fence:
     // their A registers were just written) issue their wgmmas, which run while the caller expands
-    // the next steps. d accumulates from K step 1 on (in-flight accumulation across wgmmas of one
-    // shape needs no fence).
+    // the next M tile (L1: gate's under up's expansion; a 256-wide L2 tile: its first M tile's under
+    // the second's). d accumulates from K step 1 on (in-flight accumulation across wgmmas of one
+    // shape needs no fence). One group per M tile: groups of 2 K steps (a fence every 2) measured
+    // slower than 4 (docs/PERF.md, session 16).
     static constexpr int kNarrowFP4Steps = 4;
     static_assert(mma::kWgmmaStepsPerKBlock % kNarrowFP4Steps == 0, "K steps per fence group");
     __device__ void narrow_fp4_mma(const FP4Rows& r, int k0, FP4Fragments& frag, uint64_t dt, float (&d)[4], uint32_t table) const {
@@ -1730,7 +1736,7 @@ struct Kernel {
         // Read in the first K-block (after its stage wait); the address outside the loop, so that
         // the K-blocks after it pay only the two predicated loads
         const float* tok_w_src = narrow_token_weights(m, nt);
-        [[maybe_unused]] const uint32_t table = opaque_u32(smem_addr(sm.fp4_table));   // FP8 x FP4: once per task
+        [[maybe_unused]] const uint32_t table = kFP4 ? opaque_u32(smem_addr(sm.fp4_table)) : 0u;   // once per task
         const auto read_token_weights = [&] { tok_w[0] = __ldcg(tok_w_src), tok_w[1] = __ldcg(tok_w_src + 1); };
         #pragma unroll
         for (int i = 0; i < 4; ++i) gate[i] = up[i] = 0.0f;
@@ -1911,7 +1917,7 @@ struct Kernel {
         const NarrowThread nt(mt);
         const int num_kb = lay.intermediate_hidden / BLOCK_K;
         const uint32_t b_offset = mt.wg * kL2Tiles * 64 * 128;
-        [[maybe_unused]] const uint32_t table = opaque_u32(smem_addr(sm.fp4_table));   // FP8 x FP4: once per task
+        [[maybe_unused]] const uint32_t table = kFP4 ? opaque_u32(smem_addr(sm.fp4_table)) : 0u;   // once per task
         #pragma unroll
         for (int i = 0; i < 4 * kL2Tiles; ++i) acc[i] = 0.0f;
         for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
