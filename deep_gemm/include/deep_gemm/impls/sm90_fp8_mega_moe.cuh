@@ -1265,7 +1265,7 @@ struct Kernel {
     }
     __device__ __forceinline__ uint2 fp4_magnitudes(uint32_t offsets, int g) const { return fp4_magnitudes(offsets, g, smem_addr(sm.fp4_table)); }
     // A value the compiler cannot recompute: in the narrow loops it re-derived the table address
-    // from the control block's in every K-block (4 uniform instructions per K-block)
+    // from the control block's in every K-block (7 more instructions per K-block)
     __device__ __forceinline__ static uint32_t opaque_u32(uint32_t v) {
         uint32_t r;
         asm volatile("mov.b32 %0, %1;" : "=r"(r) : "r"(v));
