@@ -209,7 +209,7 @@ struct Kernel {
         int* expert_tokens;       // [E_local]
         int* mblock_begin;        // [E_local + 1], exclusive prefix of M-blocks per local expert
         uint32_t* pull_rows;      // [BLOCK_M] the pulled M-block's (source rank, token slot) per row
-        uint8_t* fp4_table;       // [16 deltas][16 codes] E4M3 bytes (FP8 x FP4 only)
+        uint8_t* fp4_table;       // [16 deltas][8 magnitudes] E4M3 bytes, 128-aligned (FP8 x FP4 only)
         SharedControl* ctrl;
 
         __device__ explicit Smem(uint8_t* base) {
@@ -233,14 +233,15 @@ struct Kernel {
             mblock_begin = expert_tokens + kMegaMoEMaxLocalExperts;
             pull_rows = reinterpret_cast<uint32_t*>(mblock_begin + kMegaMoEMaxLocalExperts + 1);
             ctrl = reinterpret_cast<SharedControl*>(align_up<uintptr_t>(reinterpret_cast<uintptr_t>(pull_rows + L::kMaxBlockM), 16));
-            // 256-aligned: a table row's address is the base with its low byte replaced (fp4_magnitudes)
-            fp4_table = reinterpret_cast<uint8_t*>(align_up<uintptr_t>(reinterpret_cast<uintptr_t>(ctrl + 1), 256));
+            // 128-aligned: a table row's address is the base with its low 7 bits replaced (fp4_magnitudes)
+            fp4_table = reinterpret_cast<uint8_t*>(align_up<uintptr_t>(reinterpret_cast<uintptr_t>(ctrl + 1), 128));
         }
         // The control block as carved above (its start is 16-aligned), padding included, against
-        // the budget the host allocates (mega_moe_control_smem_bytes)
+        // the budget the host allocates (mega_moe_control_smem_bytes, 256 bytes for the table):
+        // aligning the 128-byte table to 128 from a 16-aligned address skips at most 112 bytes
         static constexpr int kControlBytesUsed =
             align_up(align_up(kNumStages * 16 + kMegaMoETaskRing * 20 + (2 * kMegaMoEMaxLocalExperts + 1) * 4 + L::kMaxBlockM * 4, 16) +
-                     static_cast<int>(sizeof(SharedControl)), 256) + 256;
+                     static_cast<int>(sizeof(SharedControl)), 16) + 112 + 128;
         static_assert(kControlBytesUsed <= mega_moe_control_smem_bytes(kNumStages), "control block outgrew its budget");
         // The pull's slots and their mbarriers, after re-aligning to 128 B (at most 127 B lost), within the host's budget
         static constexpr int kSlots = mega_moe_pull_slots(kMmaType, BLOCK_M);
@@ -1250,19 +1251,22 @@ struct Kernel {
         return make_uint2(prmt(mag.x, mag.y, sel) | (codes & 0x80808080u),
                           prmt(mag.x, mag.y, sel >> 16) | ((codes << 4) & 0x80808080u));
     }
-    // A row's delta word (byte g: group g's delta) as the byte offsets of its 4 table rows (16 bytes
-    // per delta). Weights are host data: the mask keeps a corrupted byte from indexing past the table.
-    __device__ __forceinline__ static uint32_t fp4_table_offsets(uint32_t deltas) { return (deltas << 4) & 0xF0F0F0F0u; }
-    // The table row (E4M3 magnitudes of codes 0..7) of group g, from fp4_table_offsets: the table
-    // is 256-aligned, so one prmt puts byte g of the offsets below the table address's upper three
-    // bytes (selector 0x765g) and the address needs no add (nor a uniform register for the base).
-    // Prefill tiles (BLOCK_M 128) keep the older form, byte g zero-extended by one prmt and added
-    // to the base, which ptxas holds in a uniform register there: the form above measured no faster
-    // at prefill and put two more values of the 128-row L1 loop in local memory.
+    // A row's delta word (byte g: group g's delta) as the byte offsets of its 4 table rows (8 bytes
+    // per delta), or-ed with `hi` (fp4_table_hi). Weights are host data: the mask keeps a corrupted
+    // byte from indexing past the table.
+    __device__ __forceinline__ static uint32_t fp4_table_offsets(uint32_t deltas, uint32_t hi) { return ((deltas << 3) & 0x78787878u) | hi; }
+    // Decode tiles: the table is 128-aligned, so a row's address is the table's with its low byte
+    // replaced by the row's offset and the table address's bit 7, which `hi` carries in every byte
+    // (one prmt per row, selector 0x765g: no add, no uniform register for the base). Prefill tiles
+    // (BLOCK_M 128) keep the older form, the offset byte zero-extended by one prmt and added to the
+    // base, which ptxas holds in a uniform register there: the form above measured no faster at
+    // prefill and put two more values of the 128-row L1 loop in local memory.
+    __device__ __forceinline__ static uint32_t fp4_table_hi(uint32_t table) { return BLOCK_M == 128 ? 0u : (table & 0x80u) * 0x01010101u; }
     __device__ __forceinline__ static uint2 fp4_magnitudes(uint32_t offsets, int g, uint32_t table) {
         if constexpr (BLOCK_M == 128) return ld_shared_v2(table + prmt(offsets, 0u, 0x4440u + g));
         else return ld_shared_v2(prmt(offsets, table, 0x7650u + g));
     }
+    __device__ __forceinline__ uint32_t fp4_table_offsets(uint32_t deltas) const { return fp4_table_offsets(deltas, fp4_table_hi(smem_addr(sm.fp4_table))); }
     __device__ __forceinline__ uint2 fp4_magnitudes(uint32_t offsets, int g) const { return fp4_magnitudes(offsets, g, smem_addr(sm.fp4_table)); }
     // A value the compiler cannot recompute: in the narrow loops it re-derived the table address
     // from the control block's in every K-block (7 more instructions per K-block)
@@ -1687,14 +1691,14 @@ struct Kernel {
         uint4 codes[2];
         uint32_t offsets[2];
     };
-    __device__ void narrow_fp4_load(int s, int row0, const MathThread& mt, FP4Rows& r) const {
+    __device__ void narrow_fp4_load(int s, int row0, const MathThread& mt, FP4Rows& r, uint32_t table) const {
         const int row = row0 + mt.warp * 16 + mt.lane / 4;
         const uint32_t packed = smem_addr(sm.stage_b(s)) + row * kMegaMoEPackedRowBytes + (mt.lane % 4) * kMegaMoEFP4ChunkBytes;
         const uint32_t deltas = smem_addr(sm.stage_deltas(s)) + row * 4;
         #pragma unroll
         for (int h = 0; h < 2; ++h) {
             r.codes[h] = ld_shared_v4(packed + h * 8 * kMegaMoEPackedRowBytes);
-            r.offsets[h] = fp4_table_offsets(ld_shared_u32(deltas + h * 8 * 4));
+            r.offsets[h] = fp4_table_offsets(ld_shared_u32(deltas + h * 8 * 4), fp4_table_hi(table));
         }
     }
     // K steps [k0, k0 + kNarrowFP4Steps) of an M tile: expand their fragments, then (wgmma.fence:
@@ -1755,7 +1759,7 @@ struct Kernel {
                 if constexpr (kFP4) {
                     // gate's wgmmas run while up's fragments are expanded
                     FP4Rows rg, ru;
-                    narrow_fp4_load(s, mt.wg * 64, mt, rg), narrow_fp4_load(s, 128 + mt.wg * 64, mt, ru);
+                    narrow_fp4_load(s, mt.wg * 64, mt, rg, table), narrow_fp4_load(s, 128 + mt.wg * 64, mt, ru, table);
                     narrow_fp4_k_block(rg, ag, dt, part_g, table);
                     narrow_fp4_k_block(ru, au, dt, part_u, table);
                 } else {
@@ -1938,8 +1942,8 @@ struct Kernel {
                     // a 256-wide tile: the first M tile's wgmmas run while the second's fragments are expanded
                     FP4Rows r0;
                     [[maybe_unused]] FP4Rows r1;
-                    narrow_fp4_load(s, mt.wg * kL2Tiles * 64, mt, r0);
-                    if constexpr (kL2Tiles == 2) narrow_fp4_load(s, mt.wg * kL2Tiles * 64 + 64, mt, r1);
+                    narrow_fp4_load(s, mt.wg * kL2Tiles * 64, mt, r0, table);
+                    if constexpr (kL2Tiles == 2) narrow_fp4_load(s, mt.wg * kL2Tiles * 64 + 64, mt, r1, table);
                     narrow_fp4_k_block(r0, ab, dt, *reinterpret_cast<float (*)[4]>(part), table);
                     if constexpr (kL2Tiles == 2) narrow_fp4_k_block(r1, ab1, dt, *reinterpret_cast<float (*)[4]>(part + 4), table);
                 } else {
@@ -2245,11 +2249,12 @@ struct Kernel {
             ctrl->trace_first = 0;
         }
         if constexpr (kFP4) {
-            // fp4_table[d][c] = RNE_e4m3(e2m1(c) * 2^(6 - d)), the rule of transform_weights_for_mega_moe
-            for (int i = threadIdx.x; i < 256; i += kNumThreads) {
+            // fp4_table[d][c] = RNE_e4m3(e2m1(c) * 2^(6 - d)) for the magnitudes c < 8, the rule of
+            // transform_weights_for_mega_moe (the sign bit is or-ed in by expand_e2m1x8)
+            for (int i = threadIdx.x; i < 128; i += kNumThreads) {
                 constexpr float kE2M1[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
-                const int d = i / 16, c = i % 16;
-                const float v = (c & 8 ? -1.0f : 1.0f) * kE2M1[c & 7] * exp2f(static_cast<float>(6 - d));
+                const int d = i / 8, c = i % 8;
+                const float v = kE2M1[c] * exp2f(static_cast<float>(6 - d));
                 sm.fp4_table[i] = static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
             }
         }
