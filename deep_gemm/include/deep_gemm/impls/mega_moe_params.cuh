@@ -114,7 +114,8 @@ DG_HOST_DEVICE constexpr int mega_moe_stage_extra_bytes(MmaType t, int block_m) 
 // K-blocks of one GEMM: bounds hidden and intermediate_hidden (checked by the host at layout time)
 constexpr int kMegaMoEMaxKBlocks = 128;
 // mbarriers (stages x 2 + ring x 2), ring slots, per-expert token counts and M-block table, the
-// pulled M-block's row sources, scalars, the 16 x 16 E2M1 -> E4M3 expansion table
+// pulled M-block's row sources, scalars, the 16 x 8 E2M1 -> E4M3 expansion table (128 bytes and up
+// to 112 of alignment padding)
 DG_HOST_DEVICE constexpr int mega_moe_control_smem_bytes(int num_stages) {
     return align_up(num_stages * 16 + kMegaMoETaskRing * 20 + (2 * kMegaMoEMaxLocalExperts + 1) * 4 +
                     layout::kMaxBlockM * 4 + 64 + 256, 1024);

@@ -233,7 +233,8 @@ struct Kernel {
             mblock_begin = expert_tokens + kMegaMoEMaxLocalExperts;
             pull_rows = reinterpret_cast<uint32_t*>(mblock_begin + kMegaMoEMaxLocalExperts + 1);
             ctrl = reinterpret_cast<SharedControl*>(align_up<uintptr_t>(reinterpret_cast<uintptr_t>(pull_rows + L::kMaxBlockM), 16));
-            // 128-aligned: a table row's address is the base with its low 7 bits replaced (fp4_magnitudes)
+            // 128-aligned: a decode tile's table row address is the base with its low byte replaced by the
+            // row's offset, which carries the base's bit 7 (fp4_magnitudes, fp4_table_hi)
             fp4_table = reinterpret_cast<uint8_t*>(align_up<uintptr_t>(reinterpret_cast<uintptr_t>(ctrl + 1), 128));
         }
         // The control block as carved above (its start is 16-aligned), padding included, against
