@@ -113,12 +113,18 @@ DG_HOST_DEVICE constexpr int mega_moe_stage_extra_bytes(MmaType t, int block_m) 
 }
 // K-blocks of one GEMM: bounds hidden and intermediate_hidden (checked by the host at layout time)
 constexpr int kMegaMoEMaxKBlocks = 128;
+// FP8 x FP4's E2M1 -> E4M3 expansion table in shared memory: [16 deltas][8 magnitudes] bytes,
+// 128-aligned (its address rule: fp4_magnitudes in the kernel), placed after 16-aligned scalars,
+// so at most kMegaMoEFP4TablePad bytes of padding before it
+constexpr int kMegaMoEFP4TableBytes = 16 * 8;
+constexpr int kMegaMoEFP4TableAlign = 128;
+constexpr int kMegaMoEFP4TablePad = kMegaMoEFP4TableAlign - 16;
 // mbarriers (stages x 2 + ring x 2), ring slots, per-expert token counts and M-block table, the
-// pulled M-block's row sources, scalars, the 16 x 8 E2M1 -> E4M3 expansion table (128 bytes and up
-// to 112 of alignment padding)
+// pulled M-block's row sources, 64 bytes of scalars, up to 16 bytes aligning them, the expansion
+// table and its padding
 DG_HOST_DEVICE constexpr int mega_moe_control_smem_bytes(int num_stages) {
     return align_up(num_stages * 16 + kMegaMoETaskRing * 20 + (2 * kMegaMoEMaxLocalExperts + 1) * 4 +
-                    layout::kMaxBlockM * 4 + 64 + 256, 1024);
+                    layout::kMaxBlockM * 4 + 64 + 16 + kMegaMoEFP4TablePad + kMegaMoEFP4TableBytes, 1024);
 }
 // A pulled row's source in one uint32: rank in the top 3 bits, token slot (token * top-k + k)
 // below (bounds num_max_tokens_per_rank * num_topk, checked by the host)

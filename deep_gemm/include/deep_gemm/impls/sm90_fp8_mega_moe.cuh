@@ -235,14 +235,14 @@ struct Kernel {
             ctrl = reinterpret_cast<SharedControl*>(align_up<uintptr_t>(reinterpret_cast<uintptr_t>(pull_rows + L::kMaxBlockM), 16));
             // 128-aligned: a decode tile's table row address is the base with its low byte replaced by the
             // row's offset, which carries the base's bit 7 (fp4_magnitudes, fp4_table_hi)
-            fp4_table = reinterpret_cast<uint8_t*>(align_up<uintptr_t>(reinterpret_cast<uintptr_t>(ctrl + 1), 128));
+            fp4_table = reinterpret_cast<uint8_t*>(align_up<uintptr_t>(reinterpret_cast<uintptr_t>(ctrl + 1), kMegaMoEFP4TableAlign));
         }
         // The control block as carved above (its start is 16-aligned), padding included, against
-        // the budget the host allocates (mega_moe_control_smem_bytes, 256 bytes for the table):
-        // aligning the 128-byte table to 128 from a 16-aligned address skips at most 112 bytes
+        // the budget the host allocates (mega_moe_control_smem_bytes): aligning the table to 128
+        // from a 16-aligned address skips at most kMegaMoEFP4TablePad bytes
         static constexpr int kControlBytesUsed =
             align_up(align_up(kNumStages * 16 + kMegaMoETaskRing * 20 + (2 * kMegaMoEMaxLocalExperts + 1) * 4 + L::kMaxBlockM * 4, 16) +
-                     static_cast<int>(sizeof(SharedControl)), 16) + 112 + 128;
+                     static_cast<int>(sizeof(SharedControl)), 16) + kMegaMoEFP4TablePad + kMegaMoEFP4TableBytes;
         static_assert(kControlBytesUsed <= mega_moe_control_smem_bytes(kNumStages), "control block outgrew its budget");
         // The pull's slots and their mbarriers, after re-aligning to 128 B (at most 127 B lost), within the host's budget
         static constexpr int kSlots = mega_moe_pull_slots(kMmaType, BLOCK_M);
@@ -1255,6 +1255,7 @@ struct Kernel {
     // A row's delta word (byte g: group g's delta) as the byte offsets of its 4 table rows (8 bytes
     // per delta), or-ed with `hi` (fp4_table_hi). Weights are host data: the mask keeps a corrupted
     // byte from indexing past the table.
+    static_assert(kMegaMoEFP4TableBytes == 16 * 8, "the offsets below: 4 bits of delta, 8-byte rows");
     __device__ __forceinline__ static uint32_t fp4_table_offsets(uint32_t deltas, uint32_t hi) { return ((deltas << 3) & 0x78787878u) | hi; }
     // Decode tiles: the table is 128-aligned, so a row's address is the table's with its low byte
     // replaced by the row's offset and the table address's bit 7, which `hi` carries in every byte
@@ -1702,17 +1703,13 @@ struct Kernel {
             r.offsets[h] = fp4_table_offsets(ld_shared_u32(deltas + h * 8 * 4), fp4_table_hi(table));
         }
     }
-    // K steps [k0, k0 + kNarrowFP4Steps) of an M tile: expand their fragments, then (wgmma.fence:
-    // their A registers were just written) issue their wgmmas, which run while the caller expands
-    // the next M tile (L1: gate's under up's expansion; a 256-wide L2 tile: its first M tile's under
-    // the second's). d accumulates from K step 1 on (in-flight accumulation across wgmmas of one
-    // shape needs no fence). One group per M tile: groups of 2 K steps (a fence every 2) measured
-    // slower than 4 (docs/PERF.md, session 16).
-    static constexpr int kNarrowFP4Steps = 4;
-    static_assert(mma::kWgmmaStepsPerKBlock % kNarrowFP4Steps == 0, "K steps per fence group");
-    __device__ void narrow_fp4_mma(const FP4Rows& r, int k0, FP4Fragments& frag, uint64_t dt, float (&d)[4], uint32_t table) const {
+    // One K-block of an M tile: expand its fragments, then (wgmma.fence: their A registers were just
+    // written) issue its 4 wgmmas, which run while the caller expands the next M tile (L1: gate's
+    // under up's expansion; a 256-wide L2 tile: its first M tile's under the second's). One fence
+    // per M tile: a fence every 2 K steps measured slower (docs/PERF.md, session 16).
+    __device__ static void narrow_fp4_k_block(const FP4Rows& r, FP4Fragments& frag, uint64_t dt, float (&d)[4], uint32_t table) {
         #pragma unroll
-        for (int ks = k0; ks < k0 + kNarrowFP4Steps; ++ks) {
+        for (int ks = 0; ks < mma::kWgmmaStepsPerKBlock; ++ks) {
             #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const uint2 e = expand_e2m1x8(word_of(r.codes[h], ks), fp4_magnitudes(r.offsets[h], ks, table));
@@ -1721,14 +1718,7 @@ struct Kernel {
             }
         }
         mma::warpgroup_arrive();
-        #pragma unroll
-        for (int ks = k0; ks < k0 + kNarrowFP4Steps; ++ks)
-            mma::FP8MmaRegAN8::fma(frag[ks], mma::advance_desc(dt, ks * mma::kWgmmaKBytes), d, ks > 0);
-    }
-    // One K-block of an M tile
-    __device__ void narrow_fp4_k_block(const FP4Rows& r, FP4Fragments& frag, uint64_t dt, float (&d)[4], uint32_t table) const {
-        #pragma unroll
-        for (int k0 = 0; k0 < mma::kWgmmaStepsPerKBlock; k0 += kNarrowFP4Steps) narrow_fp4_mma(r, k0, frag, dt, d, table);
+        mma::FP8MmaRegAN8::fma_k_block(frag, dt, d, false);
     }
 
     // L1 on a narrow tile: gate and up of this warpgroup's 64 rows. Also returns the top-k weights
@@ -2252,7 +2242,7 @@ struct Kernel {
         if constexpr (kFP4) {
             // fp4_table[d][c] = RNE_e4m3(e2m1(c) * 2^(6 - d)) for the magnitudes c < 8, the rule of
             // transform_weights_for_mega_moe (the sign bit is or-ed in by expand_e2m1x8)
-            for (int i = threadIdx.x; i < 128; i += kNumThreads) {
+            for (int i = threadIdx.x; i < kMegaMoEFP4TableBytes; i += kNumThreads) {
                 constexpr float kE2M1[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
                 const int d = i / 8, c = i % 8;
                 const float v = kE2M1[c] * exp2f(static_cast<float>(6 - d));

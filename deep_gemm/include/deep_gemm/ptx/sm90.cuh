@@ -80,14 +80,6 @@ __device__ __forceinline__ bool mbarrier_try_wait(uint64_t* bar, uint32_t parity
         : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
     return done != 0;
 }
-// A probe that never blocks (try_wait may wait a while for the phase): true once it has completed
-__device__ __forceinline__ bool mbarrier_test_wait(uint64_t* bar, uint32_t parity) {
-    uint32_t done = 0;
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
-    return done != 0;
-}
 // The same with a suspend-time hint: a thread whose phase is not complete may sleep up to
 // kSuspendNs (waking when the phase completes) instead of the hardware's default short while, so a
 // long wait issues few instructions. kSuspendNs = 0: the plain try_wait above.
