@@ -1692,9 +1692,11 @@ struct Kernel {
         __device__ static constexpr int slot(int i) { return 2 * (i / 4) + i % 2; }
         __device__ int slot_token(int k) const { return 8 * (k / 2) + c0 + k % 2; }
     };
-    // The wgmma of an N-token tile with A (the weights) from registers
-    template <int kTok>
-    using RegAMma = std::conditional_t<kTok == kMegaMoENarrowRows, mma::FP8MmaRegAN8, mma::FP8MmaRegAN64>;
+    // A transposed wide tile's tokens come in quarters of 16 (m64n16k32 wgmmas on accumulators
+    // [8 q, 8 q + 8) of its 32 per M tile, the layout of one m64n64k32): only the quarters that hold
+    // tokens get tensor work and promotion
+    static constexpr int kWideQuarterTokens = 16;
+    __device__ static int wide_quarters(int num_rows) { return (num_rows + kWideQuarterTokens - 1) / kWideQuarterTokens; }
     // The stage's token scales of this thread's tokens (an N-token tile: N / 8 pairs)
     template <int kTok>
     __device__ void narrow_token_sf(int s, const NarrowThread& nt, float2 (&sa)[kTok / 8]) const {
@@ -1737,8 +1739,9 @@ struct Kernel {
     // written) issue its 4 wgmmas, which run while the caller expands the next M tile (L1: gate's
     // under up's expansion; a 256-wide L2 tile: its first M tile's under the second's). One fence
     // per M tile: a fence every 2 K steps measured slower (docs/PERF.md, session 16).
-    template <typename Mma>
-    __device__ static void narrow_fp4_k_block(const FP4Rows& r, FP4Fragments& frag, uint64_t dt, float (&d)[Mma::kNumAccum], uint32_t table) {
+    // nq: a transposed wide tile's token quarters (kTok = BLOCK_M), one wgmma chain each
+    template <int kTok>
+    __device__ static void narrow_fp4_k_block(const FP4Rows& r, FP4Fragments& frag, uint64_t dt, float (&d)[kTok / 2], uint32_t table, int nq = 0) {
         #pragma unroll
         for (int ks = 0; ks < mma::kWgmmaStepsPerKBlock; ++ks) {
             #pragma unroll
@@ -1749,7 +1752,14 @@ struct Kernel {
             }
         }
         mma::warpgroup_arrive();
-        Mma::fma_k_block(frag, dt, d, false);
+        if constexpr (kTok == kMegaMoENarrowRows) {
+            mma::FP8MmaRegAN8::fma_k_block(frag, dt, d, false);
+        } else {
+            static_assert(kTok / kWideQuarterTokens == 4 and mma::FP8MmaRegAN16::kNumAccum == 8);
+            #pragma unroll
+            for (int q = 0; q < 4; ++q)   // quarter q: token rows 16 q.. of the A tile, 2 KB on (whole swizzle atoms)
+                if (q < nq) mma::FP8MmaRegAN16::fma_k_block(frag, mma::advance_desc(dt, q * kWideQuarterTokens * 128), *reinterpret_cast<float (*)[8]>(d + 8 * q), false);
+        }
     }
 
     // L1 on a narrow tile of kTok tokens: gate and up of this warpgroup's 64 rows. An 8-token tile
@@ -1758,7 +1768,7 @@ struct Kernel {
     // (held across this loop they cost it local memory). num_kb: the task's K-blocks (all of H, or a split-K half)
     template <int kTok>
     __device__ bool narrow_l1_mainloop(int m, int num_kb, uint32_t& stage_iter, const MathThread& mt, float (&gate)[kTok / 2],
-                                       float (&up)[kTok / 2], float (&tok_w)[2]) {
+                                       float (&up)[kTok / 2], float (&tok_w)[2], int num_rows = 0) {
         static_assert(kTok == kNarrowRows or (kTok == BLOCK_M and kTransposedWide), "8 tokens, or a transposed wide tile");
         constexpr int kAcc = kTok / 2;
         const NarrowThread nt(mt);
@@ -1768,6 +1778,7 @@ struct Kernel {
         const float* tok_w_src = narrow_token_weights(m, nt);
         [[maybe_unused]] const uint32_t table = kFP4 ? opaque_u32(smem_addr(sm.fp4_table)) : 0u;   // once per task
         const auto read_token_weights = [&] { tok_w[0] = __ldcg(tok_w_src), tok_w[1] = __ldcg(tok_w_src + 1); };
+        [[maybe_unused]] const int nq = wide_quarters(num_rows);
         #pragma unroll
         for (int i = 0; i < kAcc; ++i) gate[i] = up[i] = 0.0f;
         for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
@@ -1788,8 +1799,8 @@ struct Kernel {
                     // gate's wgmmas run while up's fragments are expanded
                     FP4Rows rg, ru;
                     narrow_fp4_load(s, mt.wg * 64, mt, rg, table), narrow_fp4_load(s, 128 + mt.wg * 64, mt, ru, table);
-                    narrow_fp4_k_block<RegAMma<kTok>>(rg, ag, dt, part_g, table);
-                    narrow_fp4_k_block<RegAMma<kTok>>(ru, au, dt, part_u, table);
+                    narrow_fp4_k_block<kTok>(rg, ag, dt, part_g, table, nq);
+                    narrow_fp4_k_block<kTok>(ru, au, dt, part_u, table, nq);
                 } else {
                     mma::warpgroup_arrive();
                     mma::FP8MmaN8::fma_k_block(dg, dt, part_g, false);
@@ -1804,6 +1815,7 @@ struct Kernel {
                 release_stage(stage_iter, mt);
                 #pragma unroll
                 for (int i = 0; i < kAcc; ++i) {
+                    if (kTok != kNarrowRows and i / 8 >= nq) continue;   // a quarter without tokens: no wgmma wrote it
                     gate[i] += part_g[i] * (slot_sf(sa, i) * sg);
                     up[i] += part_u[i] * (slot_sf(sa, i) * su);
                 }
@@ -2000,13 +2012,14 @@ struct Kernel {
     // 256 wide: both halves of row block w, whose weight scale is stage float w). acc: kTok / 2 per
     // tile (kTok tokens: 8, or a transposed wide tile's BLOCK_M).
     template <int kTok>
-    __device__ bool narrow_l2_mainloop(uint32_t& stage_iter, const MathThread& mt, float (&acc)[kTok / 2 * kL2Tiles]) {
+    __device__ bool narrow_l2_mainloop(uint32_t& stage_iter, const MathThread& mt, float (&acc)[kTok / 2 * kL2Tiles], int num_rows = 0) {
         static_assert(kTok == kNarrowRows or (kTok == BLOCK_M and kTransposedWide), "8 tokens, or a transposed wide tile");
         constexpr int kAcc = kTok / 2;
         const NarrowThread nt(mt);
         const int num_kb = lay.intermediate_hidden / BLOCK_K;
         const uint32_t b_offset = mt.wg * kL2Tiles * 64 * 128;
         [[maybe_unused]] const uint32_t table = kFP4 ? opaque_u32(smem_addr(sm.fp4_table)) : 0u;   // once per task
+        [[maybe_unused]] const int nq = wide_quarters(num_rows);
         #pragma unroll
         for (int i = 0; i < kAcc * kL2Tiles; ++i) acc[i] = 0.0f;
         for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
@@ -2032,9 +2045,9 @@ struct Kernel {
                     [[maybe_unused]] FP4Rows r1;
                     narrow_fp4_load(s, mt.wg * kL2Tiles * 64, mt, r0, table);
                     if constexpr (kL2Tiles == 2) narrow_fp4_load(s, mt.wg * kL2Tiles * 64 + 64, mt, r1, table);
-                    narrow_fp4_k_block<RegAMma<kTok>>(r0, ab, dt, *reinterpret_cast<float (*)[kAcc]>(part), table);
+                    narrow_fp4_k_block<kTok>(r0, ab, dt, *reinterpret_cast<float (*)[kAcc]>(part), table, nq);
                     if constexpr (kL2Tiles == 2)
-                        narrow_fp4_k_block<RegAMma<kTok>>(r1, ab1, dt, *reinterpret_cast<float (*)[kAcc]>(part + kAcc), table);
+                        narrow_fp4_k_block<kTok>(r1, ab1, dt, *reinterpret_cast<float (*)[kAcc]>(part + kAcc), table, nq);
                 } else {
                     mma::warpgroup_arrive();
                     narrow_l2_fma<mma::FP8MmaN8>(db, dt, part, false);
@@ -2053,7 +2066,8 @@ struct Kernel {
                     for (int i = 0; i < 4 * kL2Tiles; ++i) acc[i] += part[i] * ((i & 1) ? s1 : s0);
                 } else {
                     #pragma unroll
-                    for (int i = 0; i < kAcc * kL2Tiles; ++i) acc[i] += part[i] * (slot_sf(sa, i % kAcc) * sb);
+                    for (int i = 0; i < kAcc * kL2Tiles; ++i)
+                        if (i % kAcc / 8 < nq) acc[i] += part[i] * (slot_sf(sa, i % kAcc) * sb);
                 }
             } else {
                 mma::fence_operands(acc);
@@ -2297,7 +2311,7 @@ struct Kernel {
                 } else if constexpr (kTransposedWide) {
                     // Never split (as the wide loop below): all of H's K-blocks
                     float gate[BLOCK_M / 2], up[BLOCK_M / 2], tok_w[2];   // tok_w: read by the epilogue
-                    if (not narrow_l1_mainloop<BLOCK_M>(m, lay.hidden / BLOCK_K, stage_iter, mt, gate, up, tok_w) or task_stages_dead(stage_iter)) break;
+                    if (not narrow_l1_mainloop<BLOCK_M>(m, lay.hidden / BLOCK_K, stage_iter, mt, gate, up, tok_w, rows) or task_stages_dead(stage_iter)) break;
                     narrow_l1_epilogue<BLOCK_M>(m, j, rows, mt, gate, up, tok_w);
                 } else {
                     // Never split (l1_split > 1 only when every tile is narrow: max_tokens <= kNarrowRows
@@ -2318,7 +2332,7 @@ struct Kernel {
                     narrow_l2_epilogue<kNarrowRows>(m, j, rows, mt, narrow_acc);
                 } else if constexpr (kTransposedWide) {   // one pass over the task's B rows, as a narrow tile (scheduler)
                     float wide_acc[BLOCK_M / 2 * kL2Tiles];
-                    if (not narrow_l2_mainloop<BLOCK_M>(stage_iter, mt, wide_acc) or task_stages_dead(stage_iter)) break;
+                    if (not narrow_l2_mainloop<BLOCK_M>(stage_iter, mt, wide_acc, rows) or task_stages_dead(stage_iter)) break;
                     narrow_l2_epilogue<BLOCK_M>(m, j, rows, mt, wide_acc);
                 } else if constexpr (kL2Tiles == 1) {
                     if (not l2_mainloop(stage_iter, mt, acc) or task_stages_dead(stage_iter)) break;
