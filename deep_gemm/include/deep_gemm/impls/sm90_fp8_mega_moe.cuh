@@ -153,6 +153,9 @@ struct Kernel {
     // Two math warpgroups: BLOCK_M = 128 gives each 64 rows; BLOCK_M = 64 splits the columns
     static constexpr int kNumMathWGs = kMegaMoENumMathWarpgroups;
     static constexpr bool kSplitN = BLOCK_M == 64;
+    // FP8 x FP4 decode: M-blocks of more than 8 tokens run transposed (weights as register A, tokens
+    // as N = BLOCK_M; transposed_l1_mainloop), not as wide tiles over an expanded E4M3 tile
+    static constexpr bool kTransposedWide = kFP4 and kSplitN;
     static_assert(kSplitN == mega_moe_has_narrow_tiles(BLOCK_M), "the host builds the narrow A tensor maps by this rule");
     static constexpr int kNumThreads = 128 * (1 + kNumMathWGs);
     static constexpr int BLOCK_K = mega_moe_block_k(kMmaType);      // one 128-byte swizzle row
@@ -1670,47 +1673,15 @@ struct Kernel {
     // each 128-row block of the B tile (L1: of gate and of up, so SwiGLU stays in the thread; a
     // 256-wide L2 tile: all of row block w). The tokens are rows 0..7 of the stage's A tile, read as
     // the K-major N side; the producer side is unchanged (but for a 256-wide L2 task, whose narrow
-    // tile is one 256-row B tile). Accumulator i of a thread's N / 2 per 64-row M tile (N tokens:
-    // 8, or BLOCK_M for a transposed wide tile, below): weight row warp * 16 + lane / 4 +
-    // 8 * ((i / 2) % 2) of the tile's 64, token 8 * (i / 4) + (lane % 4) * 2 + i % 2.
-    //
-    // Transposed wide tiles (FP8 x FP4 decode, kTransposedWide): an M-block of more than 8 tokens
-    // runs the same way with N = BLOCK_M = 64 (the whole 64-row A tile as the N side), so its E2M1
-    // weights are expanded into each thread's own A fragments too: no E4M3 tile in shared memory,
-    // no stmatrix, no proxy fence, no barrier across warpgroups per K-block (the wide tile's
-    // expand-then-wgmma chain took ~1.9x a narrow tile's time per weight byte). Padding tokens
-    // (rows past the M-block's) are columns of their own: they never reach a real token's sums,
-    // amax or output row.
+    // tile is one 256-row B tile). Accumulator i of a thread's 4 per 64-row M tile: weight row
+    // warp * 16 + lane / 4 + 8 * (i / 2) of the tile's 64, token (lane % 4) * 2 + i % 2.
     static constexpr int kNarrowRows = kMegaMoENarrowRows;
-    static constexpr bool kTransposedWide = kFP4 and kSplitN;
     struct NarrowThread {
         int r0, c0;   // weight row of accumulators 0, 1 within the warpgroup's 64; token of accumulators 0, 2
         __device__ explicit NarrowThread(const MathThread& mt) : r0(mt.warp * 16 + mt.lane / 4), c0((mt.lane % 4) * 2) {}
-        __device__ int row(int i) const { return r0 + 8 * ((i / 2) % 2); }
-        __device__ int token(int i) const { return 8 * (i / 4) + c0 + i % 2; }
-        // This thread's tokens of an N-token tile, k in [0, N / 4): accumulator i's is slot(i)
-        __device__ static constexpr int slot(int i) { return 2 * (i / 4) + i % 2; }
-        __device__ int slot_token(int k) const { return 8 * (k / 2) + c0 + k % 2; }
+        __device__ int row(int i) const { return r0 + 8 * (i / 2); }
+        __device__ int token(int i) const { return c0 + i % 2; }
     };
-    // A transposed wide tile's tokens come in quarters of 16 (m64n16k32 wgmmas on accumulators
-    // [8 q, 8 q + 8) of its 32 per M tile, the layout of one m64n64k32): only the quarters that hold
-    // tokens get tensor work and promotion
-    static constexpr int kWideQuarterTokens = 16;
-    __device__ static int wide_quarters(int num_rows) { return (num_rows + kWideQuarterTokens - 1) / kWideQuarterTokens; }
-    // The stage's token scales of this thread's tokens (an N-token tile: N / 8 pairs)
-    template <int kTok>
-    __device__ void narrow_token_sf(int s, const NarrowThread& nt, float2 (&sa)[kTok / 8]) const {
-        if constexpr (kTok == kNarrowRows) {
-            sa[0] = make_float2(sm.token_sf(s, nt.c0), sm.token_sf(s, nt.c0 + 1));
-        } else {
-            #pragma unroll
-            for (int g = 0; g < kTok / 8; ++g) {
-                const uint2 v = ld_shared_v2(smem_addr(sm.stage_sf(s)) + (8 * g + nt.c0) * 4);
-                sa[g] = make_float2(__uint_as_float(v.x), __uint_as_float(v.y));
-            }
-        }
-    }
-    __device__ static float slot_sf(const float2* sa, int i) { return (i & 1) ? sa[i / 4].y : sa[i / 4].x; }
 
     // FP8 x FP4 on a narrow tile: the weights are the wgmma A side, which may come from registers,
     // so each thread expands exactly its own A fragments (no E4M3 tile in shared memory, no proxy
@@ -1739,9 +1710,8 @@ struct Kernel {
     // written) issue its 4 wgmmas, which run while the caller expands the next M tile (L1: gate's
     // under up's expansion; a 256-wide L2 tile: its first M tile's under the second's). One fence
     // per M tile: a fence every 2 K steps measured slower (docs/PERF.md, session 16).
-    // nq: a transposed wide tile's token quarters (kTok = BLOCK_M), one wgmma chain each
-    template <int kTok>
-    __device__ static void narrow_fp4_k_block(const FP4Rows& r, FP4Fragments& frag, uint64_t dt, float (&d)[kTok / 2], uint32_t table, int nq = 0) {
+    // (Mma: the 8-token tile's m64n8k32, or a transposed wide tile's m64n64k32.)
+    __device__ static void narrow_fp4_expand(const FP4Rows& r, FP4Fragments& frag, uint32_t table) {
         #pragma unroll
         for (int ks = 0; ks < mma::kWgmmaStepsPerKBlock; ++ks) {
             #pragma unroll
@@ -1751,26 +1721,19 @@ struct Kernel {
                 frag[ks][2 + h] = e.y;
             }
         }
+    }
+    template <typename Mma = mma::FP8MmaRegAN8>
+    __device__ static void narrow_fp4_k_block(const FP4Rows& r, FP4Fragments& frag, uint64_t dt, float (&d)[Mma::kNumAccum], uint32_t table) {
+        narrow_fp4_expand(r, frag, table);
         mma::warpgroup_arrive();
-        if constexpr (kTok == kMegaMoENarrowRows) {
-            mma::FP8MmaRegAN8::fma_k_block(frag, dt, d, false);
-        } else {
-            static_assert(kTok / kWideQuarterTokens == 4 and mma::FP8MmaRegAN16::kNumAccum == 8);
-            #pragma unroll
-            for (int q = 0; q < 4; ++q)   // quarter q: token rows 16 q.. of the A tile, 2 KB on (whole swizzle atoms)
-                if (q < nq) mma::FP8MmaRegAN16::fma_k_block(frag, mma::advance_desc(dt, q * kWideQuarterTokens * 128), *reinterpret_cast<float (*)[8]>(d + 8 * q), false);
-        }
+        Mma::fma_k_block(frag, dt, d, false);
     }
 
-    // L1 on a narrow tile of kTok tokens: gate and up of this warpgroup's 64 rows. An 8-token tile
-    // also returns the top-k weights of this thread's two tokens (read in the first K-block, ordered
-    // after the pull's writes by the stage wait); a transposed wide tile's epilogue reads its 16
-    // (held across this loop they cost it local memory). num_kb: the task's K-blocks (all of H, or a split-K half)
-    template <int kTok>
-    __device__ bool narrow_l1_mainloop(int m, int num_kb, uint32_t& stage_iter, const MathThread& mt, float (&gate)[kTok / 2],
-                                       float (&up)[kTok / 2], float (&tok_w)[2], int num_rows = 0) {
-        static_assert(kTok == kNarrowRows or (kTok == BLOCK_M and kTransposedWide), "8 tokens, or a transposed wide tile");
-        constexpr int kAcc = kTok / 2;
+    // L1 on a narrow tile: gate and up of this warpgroup's 64 rows. Also returns the top-k weights
+    // of this thread's two tokens (ordered after the pull's writes by the stage wait).
+    // num_kb: the task's K-blocks (all of H, or a split-K half)
+    __device__ bool narrow_l1_mainloop(int m, int num_kb, uint32_t& stage_iter, const MathThread& mt, float (&gate)[4], float (&up)[4],
+                                       float (&tok_w)[2]) {
         const NarrowThread nt(mt);
         const uint32_t gate_offset = mt.wg * 64 * 128, up_offset = gate_offset + 128 * 128;
         // Read in the first K-block (after its stage wait); the address outside the loop, so that
@@ -1778,9 +1741,8 @@ struct Kernel {
         const float* tok_w_src = narrow_token_weights(m, nt);
         [[maybe_unused]] const uint32_t table = kFP4 ? opaque_u32(smem_addr(sm.fp4_table)) : 0u;   // once per task
         const auto read_token_weights = [&] { tok_w[0] = __ldcg(tok_w_src), tok_w[1] = __ldcg(tok_w_src + 1); };
-        [[maybe_unused]] const int nq = wide_quarters(num_rows);
         #pragma unroll
-        for (int i = 0; i < kAcc; ++i) gate[i] = up[i] = 0.0f;
+        for (int i = 0; i < 4; ++i) gate[i] = up[i] = 0.0f;
         for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
             if (not wait_full_l1(kb, stage_iter, mt)) return false;
             const int s = stage_iter % kNumStages;
@@ -1788,36 +1750,32 @@ struct Kernel {
             const uint64_t dg = mma::make_k_major_sw128_desc(sm.mma_b(s, stage_iter) + gate_offset);
             const uint64_t du = mma::make_k_major_sw128_desc(sm.mma_b(s, stage_iter) + up_offset);
             if constexpr (kFP8) {
-                // token scales: an 8-token tile's 2 before the K-block's math, a wide tile's 16 after its wgmmas (fewer registers held across them)
-                float2 sa[kTok / 8];
-                if constexpr (kTok == kNarrowRows) narrow_token_sf<kTok>(s, nt, sa);
+                const float sa0 = sm.token_sf(s, nt.c0), sa1 = sm.token_sf(s, nt.c0 + 1);
                 const float sg = sm.weight_sf(s, 0), su = sm.weight_sf(s, 1);
-                float part_g[kAcc], part_u[kAcc];
+                float part_g[4], part_u[4];
                 FP4Fragments ag, au;     // FP8 x FP4: A fragments of gate (row block 0) and up (row block 1)
                 mma::fence_operands(part_g), mma::fence_operands(part_u);
                 if constexpr (kFP4) {
                     // gate's wgmmas run while up's fragments are expanded
                     FP4Rows rg, ru;
                     narrow_fp4_load(s, mt.wg * 64, mt, rg, table), narrow_fp4_load(s, 128 + mt.wg * 64, mt, ru, table);
-                    narrow_fp4_k_block<kTok>(rg, ag, dt, part_g, table, nq);
-                    narrow_fp4_k_block<kTok>(ru, au, dt, part_u, table, nq);
+                    narrow_fp4_k_block(rg, ag, dt, part_g, table);
+                    narrow_fp4_k_block(ru, au, dt, part_u, table);
                 } else {
                     mma::warpgroup_arrive();
                     mma::FP8MmaN8::fma_k_block(dg, dt, part_g, false);
                     mma::FP8MmaN8::fma_k_block(du, dt, part_u, false);
                 }
                 mma::warpgroup_commit();
-                if (kTok == kNarrowRows and kb == 0) read_token_weights();
+                if (kb == 0) read_token_weights();
                 mma::warpgroup_wait<0>();
                 mma::fence_operands(part_g), mma::fence_operands(part_u);
                 if constexpr (kFP4) mma::fence_fragments(ag), mma::fence_fragments(au);
-                if constexpr (kTok != kNarrowRows) narrow_token_sf<kTok>(s, nt, sa);
                 release_stage(stage_iter, mt);
                 #pragma unroll
-                for (int i = 0; i < kAcc; ++i) {
-                    if (kTok != kNarrowRows and i / 8 >= nq) continue;   // a quarter without tokens: no wgmma wrote it
-                    gate[i] += part_g[i] * (slot_sf(sa, i) * sg);
-                    up[i] += part_u[i] * (slot_sf(sa, i) * su);
+                for (int i = 0; i < 4; ++i) {
+                    gate[i] += part_g[i] * ((i & 1) ? sa1 * sg : sa0 * sg);
+                    up[i] += part_u[i] * ((i & 1) ? sa1 * su : sa0 * su);
                 }
             } else {
                 mma::fence_operands(gate), mma::fence_operands(up);
@@ -1879,106 +1837,60 @@ struct Kernel {
         return mine<float>(lay.row_weight) + static_cast<int64_t>(m) * BLOCK_M + nt.c0;
     }
 
-    // L1 epilogue of a narrow tile of kTok tokens: SwiGLU (+clamp) x top-k weight, then per token
-    // the FP8 amax over the block's 128 columns (this thread's rows, the warp's by shuffles, the 8
-    // math warps' through shared memory), quantization (the same arithmetic as the wide tile), and
-    // the token rows into the L2 pool. Token rows of the staging tile span both warpgroups' columns.
-    // tok_w: an 8-token tile's two top-k weights (its K-loop read them); a transposed wide tile reads
-    // its 16 here, their latency under the SwiGLU of its 32 accumulator pairs
-    template <int kTok>
-    __device__ void narrow_l1_epilogue(int m, int j, int num_rows, const MathThread& mt, const float (&gate)[kTok / 2],
-                                       const float (&up)[kTok / 2], const float (&tok_w_narrow)[2]) {
-        constexpr int kAcc = kTok / 2, kToks = kTok / 4;   // accumulators per M tile, tokens per thread
+    // L1 epilogue of a narrow tile: SwiGLU (+clamp) x top-k weight, then per token the FP8 amax
+    // over the block's 128 columns (this thread's rows, the warp's by shuffles, the 8 math warps'
+    // through shared memory), quantization (the same arithmetic as the wide tile), and the token
+    // rows into the L2 pool. Token rows of the staging tile span both warpgroups' columns.
+    __device__ void narrow_l1_epilogue(int m, int j, int num_rows, const MathThread& mt, const float (&gate)[4], const float (&up)[4],
+                                       const float (&tok_w)[2]) {
         const NarrowThread nt(mt);
         const float clamp = p.activation_clamp;
         uint8_t* tile = sm.epilogue;    // row t: token t's 128 columns of the block
-        float act[kAcc], amax[kToks];
+        float act[4], amax[2] = {0.0f, 0.0f};
         #pragma unroll
-        for (int k = 0; k < kToks; ++k) amax[k] = 0.0f;
-        if constexpr (kTok == kNarrowRows) {
-            #pragma unroll
-            for (int i = 0; i < kAcc; ++i) {
-                const float gt = fminf(gate[i], clamp);
-                const float u = fminf(fmaxf(up[i], -clamp), clamp);
-                act[i] = silu<kFastMath>(gt) * u * tok_w_narrow[i % 2];
-                amax[i % 2] = fmaxf(amax[i % 2], fabsf(act[i]));
-            }
-        } else {
-            float tok_w[kToks];
-            const float* src = narrow_token_weights(m, nt);
-            #pragma unroll
-            for (int k = 0; k < kToks; ++k) tok_w[k] = __ldcg(src + nt.slot_token(k) - nt.c0);
-            #pragma unroll
-            for (int i = 0; i < kAcc; ++i) {
-                const float gt = fminf(gate[i], clamp);
-                const float u = fminf(fmaxf(up[i], -clamp), clamp);
-                act[i] = silu<kFastMath>(gt) * u;   // (silu x u) x w: the 8-token tile's order
-            }
-            #pragma unroll
-            for (int i = 0; i < kAcc; ++i) {
-                act[i] *= tok_w[nt.slot(i)];
-                amax[nt.slot(i)] = fmaxf(amax[nt.slot(i)], fabsf(act[i]));
-            }
+        for (int i = 0; i < 4; ++i) {
+            const float gt = fminf(gate[i], clamp);
+            const float u = fminf(fmaxf(up[i], -clamp), clamp);
+            act[i] = silu<kFastMath>(gt) * u * tok_w[i % 2];
+            amax[i % 2] = fmaxf(amax[i % 2], fabsf(act[i]));
         }
         const int col = mt.wg * 64;     // this warpgroup's first column of the block
         if constexpr (kFP8) {
             // lanes of equal lane % 4 hold the same tokens
             #pragma unroll
-            for (int k = 0; k < kToks; ++k)
+            for (int t = 0; t < 2; ++t)
                 #pragma unroll
-                for (int d = 4; d < 32; d *= 2) amax[k] = fmaxf(amax[k], __shfl_xor_sync(0xffffffff, amax[k], d));
-            const int w = mt.wg * 4 + mt.warp;   // this math warp of kNumMathWGs * 4
-            if constexpr (kTok == kNarrowRows) {
-                // [math warp][token] in staging rows kNarrowRows.. (never token rows of a narrow tile)
-                static_assert(kNarrowRows * 2 <= BLOCK_M and kNumMathWGs * 4 * kNarrowRows * 4 <= kNarrowRows * kMegaMoEEpilogueRowBytes);
-                auto* xchg = reinterpret_cast<float*>(tile + kNarrowRows * kMegaMoEEpilogueRowBytes);
-                if (mt.lane < 4) {
-                    xchg[w * kNarrowRows + nt.c0] = amax[0];
-                    xchg[w * kNarrowRows + nt.c0 + 1] = amax[1];
-                }
-                named_barrier(kBarrierMathAll, kNumMathThreads);
-                #pragma unroll
-                for (int v = 0; v < kNumMathWGs * 4; ++v) {
-                    amax[0] = fmaxf(amax[0], xchg[v * kNarrowRows + nt.c0]);
-                    amax[1] = fmaxf(amax[1], xchg[v * kNarrowRows + nt.c0 + 1]);
-                }
-            } else {
-                // [token][math warp] in bytes 128.. of each token's staging row (its FP8 values take 0..127)
-                constexpr int kXchg = 128;
-                static_assert(kNumMathWGs * 4 == 8 and kXchg + 8 * 4 <= kMegaMoEEpilogueRowBytes and kMegaMoEEpilogueRowBytes % 16 == 0,
-                              "two 16-byte loads of a token's 8 warp maxima, inside its staging row");
-                const uint32_t xchg = smem_addr(tile) + kXchg;
-                if (mt.lane < 4) {
-                    #pragma unroll
-                    for (int k = 0; k < kToks; ++k) st_shared_f32(xchg + nt.slot_token(k) * kMegaMoEEpilogueRowBytes + w * 4, amax[k]);
-                }
-                named_barrier(kBarrierMathAll, kNumMathThreads);
-                #pragma unroll
-                for (int k = 0; k < kToks; ++k) {
-                    const uint4 a = ld_shared_v4(xchg + nt.slot_token(k) * kMegaMoEEpilogueRowBytes);
-                    const uint4 b = ld_shared_v4(xchg + nt.slot_token(k) * kMegaMoEEpilogueRowBytes + 16);
-                    amax[k] = fmaxf(fmaxf(fmaxf(__uint_as_float(a.x), __uint_as_float(a.y)), fmaxf(__uint_as_float(a.z), __uint_as_float(a.w))),
-                                    fmaxf(fmaxf(__uint_as_float(b.x), __uint_as_float(b.y)), fmaxf(__uint_as_float(b.z), __uint_as_float(b.w))));
-                }
+                for (int d = 4; d < 32; d *= 2) amax[t] = fmaxf(amax[t], __shfl_xor_sync(0xffffffff, amax[t], d));
+            // [math warp][token] in staging rows kNarrowRows.. (never token rows of a narrow tile)
+            static_assert(kNarrowRows * 2 <= BLOCK_M and kNumMathWGs * 4 * kNarrowRows * 4 <= kNarrowRows * kMegaMoEEpilogueRowBytes);
+            auto* xchg = reinterpret_cast<float*>(tile + kNarrowRows * kMegaMoEEpilogueRowBytes);
+            if (mt.lane < 4) {
+                xchg[(mt.wg * 4 + mt.warp) * kNarrowRows + nt.c0] = amax[0];
+                xchg[(mt.wg * 4 + mt.warp) * kNarrowRows + nt.c0 + 1] = amax[1];
+            }
+            named_barrier(kBarrierMathAll, kNumMathThreads);
+            #pragma unroll
+            for (int w = 0; w < kNumMathWGs * 4; ++w) {
+                amax[0] = fmaxf(amax[0], xchg[w * kNarrowRows + nt.c0]);
+                amax[1] = fmaxf(amax[1], xchg[w * kNarrowRows + nt.c0 + 1]);
             }
             // Correctly rounded divisions, as the wide tile (bit-identical to per_token_cast_to_fp8)
-            float a[kToks], inv[kToks];
+            float a[2], inv[2];
             #pragma unroll
-            for (int k = 0; k < kToks; ++k) a[k] = fmaxf(amax[k], 1e-10f), inv[k] = __fdiv_rn(448.0f, a[k]);
+            for (int t = 0; t < 2; ++t) a[t] = fmaxf(amax[t], 1e-10f), inv[t] = __fdiv_rn(448.0f, a[t]);
             #pragma unroll
-            for (int i = 0; i < kAcc; ++i) {
-                const __nv_fp8_storage_t q = __nv_cvt_float_to_fp8(act[i] * inv[nt.slot(i)], __NV_SATFINITE, __NV_E4M3);
+            for (int i = 0; i < 4; ++i) {
+                const __nv_fp8_storage_t q = __nv_cvt_float_to_fp8(act[i] * inv[i % 2], __NV_SATFINITE, __NV_E4M3);
                 tile[nt.token(i) * kMegaMoEEpilogueRowBytes + col + nt.row(i)] = q;
             }
             if (mt.wg == 0 and mt.warp == 0 and mt.lane < 4) {
                 #pragma unroll
-                for (int k = 0; k < kToks; ++k)
-                    if (nt.slot_token(k) < num_rows)
-                        mine<float>(lay.l2_sf)[static_cast<int64_t>(j) * lay.num_pool_rows + static_cast<int64_t>(m) * BLOCK_M + nt.slot_token(k)] =
-                            __fdiv_rn(a[k], 448.0f);
+                for (int t = 0; t < 2; ++t)
+                    if (nt.c0 + t < num_rows)
+                        mine<float>(lay.l2_sf)[static_cast<int64_t>(j) * lay.num_pool_rows + static_cast<int64_t>(m) * BLOCK_M + nt.c0 + t] =
+                            __fdiv_rn(a[t], 448.0f);
             }
         } else {
-            static_assert(kTok == kNarrowRows, "BF16 runs no transposed wide tiles");
             #pragma unroll
             for (int i = 0; i < 4; ++i)
                 *reinterpret_cast<__nv_bfloat16*>(tile + nt.token(i) * kMegaMoEEpilogueRowBytes + (col + nt.row(i)) * 2) = __float2bfloat16_rn(act[i]);
@@ -1988,17 +1900,11 @@ struct Kernel {
         constexpr int kChunks = 128 * kActBytes / 16;
         const int thread = mt.wg * 128 + mt.tid;
         auto* l2_act = mine<uint8_t>(lay.l2_act);
-        const auto copy_chunk = [&](int chunk) {
-            const int t = chunk / kChunks, c = (chunk % kChunks) * 16;
+        if (thread < num_rows * kChunks) {
+            const int t = thread / kChunks, c = (thread % kChunks) * 16;
             const int64_t g = static_cast<int64_t>(m) * BLOCK_M + t;
             *reinterpret_cast<int4*>(l2_act + (g * lay.intermediate_hidden + j * 128) * kActBytes + c) =
                 *reinterpret_cast<const int4*>(tile + t * kMegaMoEEpilogueRowBytes + c);
-        };
-        if constexpr (kTok == kNarrowRows) {
-            static_assert(kNarrowRows * kChunks <= kNumMathThreads, "one chunk per math thread");
-            if (thread < num_rows * kChunks) copy_chunk(thread);
-        } else {
-            for (int c = thread; c < num_rows * kChunks; c += kNumMathThreads) copy_chunk(c);
         }
         // release, as the wide tile: every thread fences into the async proxy, one release per
         // warpgroup after the barrier (the L2 dependency counts kNumMathWGs per L1 task)
@@ -2009,19 +1915,14 @@ struct Kernel {
 
     // L2 on a narrow tile of kL2BlockN output columns: warpgroup w runs the kL2Tiles 64-row wgmma M
     // tiles [kL2Tiles w, kL2Tiles w + kL2Tiles) of the B tile (128 wide: its 64 of the 128 columns;
-    // 256 wide: both halves of row block w, whose weight scale is stage float w). acc: kTok / 2 per
-    // tile (kTok tokens: 8, or a transposed wide tile's BLOCK_M).
-    template <int kTok>
-    __device__ bool narrow_l2_mainloop(uint32_t& stage_iter, const MathThread& mt, float (&acc)[kTok / 2 * kL2Tiles], int num_rows = 0) {
-        static_assert(kTok == kNarrowRows or (kTok == BLOCK_M and kTransposedWide), "8 tokens, or a transposed wide tile");
-        constexpr int kAcc = kTok / 2;
+    // 256 wide: both halves of row block w, whose weight scale is stage float w). acc: 4 per tile.
+    __device__ bool narrow_l2_mainloop(uint32_t& stage_iter, const MathThread& mt, float (&acc)[4 * kL2Tiles]) {
         const NarrowThread nt(mt);
         const int num_kb = lay.intermediate_hidden / BLOCK_K;
         const uint32_t b_offset = mt.wg * kL2Tiles * 64 * 128;
         [[maybe_unused]] const uint32_t table = kFP4 ? opaque_u32(smem_addr(sm.fp4_table)) : 0u;   // once per task
-        [[maybe_unused]] const int nq = wide_quarters(num_rows);
         #pragma unroll
-        for (int i = 0; i < kAcc * kL2Tiles; ++i) acc[i] = 0.0f;
+        for (int i = 0; i < 4 * kL2Tiles; ++i) acc[i] = 0.0f;
         for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
             if (not wait_full(stage_iter)) return false;
             const int s = stage_iter % kNumStages;
@@ -2029,11 +1930,8 @@ struct Kernel {
             const uint64_t db = mma::make_k_major_sw128_desc(sm.mma_b(s, stage_iter) + b_offset);
             if constexpr (kFP8) {
                 const float sb = sm.weight_sf(s, kL2Tiles == 2 ? mt.wg : 0);
-                // token scales: an 8-token tile's 2 before the K-block's math, a wide tile's 16 after its wgmmas (fewer registers held across them)
-                float2 sa[kTok / 8];
-                float s0 = 0.0f, s1 = 0.0f;
-                if constexpr (kTok == kNarrowRows) s0 = sm.token_sf(s, nt.c0) * sb, s1 = sm.token_sf(s, nt.c0 + 1) * sb;
-                float part[kAcc * kL2Tiles];
+                const float s0 = sm.token_sf(s, nt.c0) * sb, s1 = sm.token_sf(s, nt.c0 + 1) * sb;
+                float part[4 * kL2Tiles];
                 // FP8 x FP4 only: A fragments of M tile t from the B rows the SS descriptor would
                 // read, b_offset / 128 + 64 t = (kL2Tiles wg + t) * 64 (256 wide: halves of row block wg)
                 FP4Fragments ab;
@@ -2045,9 +1943,8 @@ struct Kernel {
                     [[maybe_unused]] FP4Rows r1;
                     narrow_fp4_load(s, mt.wg * kL2Tiles * 64, mt, r0, table);
                     if constexpr (kL2Tiles == 2) narrow_fp4_load(s, mt.wg * kL2Tiles * 64 + 64, mt, r1, table);
-                    narrow_fp4_k_block<kTok>(r0, ab, dt, *reinterpret_cast<float (*)[kAcc]>(part), table, nq);
-                    if constexpr (kL2Tiles == 2)
-                        narrow_fp4_k_block<kTok>(r1, ab1, dt, *reinterpret_cast<float (*)[kAcc]>(part + kAcc), table, nq);
+                    narrow_fp4_k_block(r0, ab, dt, *reinterpret_cast<float (*)[4]>(part), table);
+                    if constexpr (kL2Tiles == 2) narrow_fp4_k_block(r1, ab1, dt, *reinterpret_cast<float (*)[4]>(part + 4), table);
                 } else {
                     mma::warpgroup_arrive();
                     narrow_l2_fma<mma::FP8MmaN8>(db, dt, part, false);
@@ -2059,16 +1956,9 @@ struct Kernel {
                     mma::fence_fragments(ab);
                     if constexpr (kL2Tiles == 2) mma::fence_fragments(ab1);
                 }
-                if constexpr (kTok != kNarrowRows) narrow_token_sf<kTok>(s, nt, sa);
                 release_stage(stage_iter, mt);
-                if constexpr (kTok == kNarrowRows) {
-                    #pragma unroll
-                    for (int i = 0; i < 4 * kL2Tiles; ++i) acc[i] += part[i] * ((i & 1) ? s1 : s0);
-                } else {
-                    #pragma unroll
-                    for (int i = 0; i < kAcc * kL2Tiles; ++i)
-                        if (i % kAcc / 8 < nq) acc[i] += part[i] * (slot_sf(sa, i % kAcc) * sb);
-                }
+                #pragma unroll
+                for (int i = 0; i < 4 * kL2Tiles; ++i) acc[i] += part[i] * ((i & 1) ? s1 : s0);
             } else {
                 mma::fence_operands(acc);
                 mma::warpgroup_arrive();
@@ -2095,28 +1985,22 @@ struct Kernel {
     // L2 epilogue of a narrow tile: BF16 token rows into the source ranks' combine slots; each
     // warpgroup stages and copies its own kL2Tiles x 64 columns of every token row (staging rows
     // of kL2BlockN BF16 + 16 bytes)
-    // A transposed wide tile stages its 64 token rows (33 KB at 256 wide) in the expanded tile,
-    // which no loop of these kernels uses, and the epilogue tile after it.
-    template <int kTok>
-    __device__ void narrow_l2_epilogue(int m, int j, int num_rows, const MathThread& mt, const float (&acc)[kTok / 2 * kL2Tiles]) {
-        constexpr int kAcc = kTok / 2;
+    __device__ void narrow_l2_epilogue(int m, int j, int num_rows, const MathThread& mt, const float (&acc)[4 * kL2Tiles]) {
         const NarrowThread nt(mt);
         constexpr int kRowBytes = kL2BlockN * 2 + 16;
-        static_assert(kTok == kNarrowRows ? kNarrowRows * kRowBytes <= BLOCK_M * kMegaMoEEpilogueRowBytes
-                                          : (not kEpilogueInExpanded and
-                                             kTok * kRowBytes <= mega_moe_expanded_b_bytes(kMmaType, BLOCK_M) + mega_moe_epilogue_smem_bytes(kMmaType, BLOCK_M)),
-                      "staging rows fit the epilogue tile (a transposed wide tile: the expanded tile and the epilogue tile after it)");
-        uint8_t* tile = kTok == kNarrowRows ? sm.epilogue : sm.expanded_b;
+        static_assert(kNarrowRows * kRowBytes <= BLOCK_M * kMegaMoEEpilogueRowBytes, "staging rows fit the epilogue tile");
+        uint8_t* tile = sm.epilogue;
         const int col = mt.wg * kL2Tiles * 64;
         #pragma unroll
         for (int t = 0; t < kL2Tiles; ++t)
             #pragma unroll
-            for (int i = 0; i < kAcc; ++i)
-                *reinterpret_cast<__nv_bfloat16*>(tile + nt.token(i) * kRowBytes + (col + t * 64 + nt.row(i)) * 2) = __float2bfloat16_rn(acc[kAcc * t + i]);
+            for (int i = 0; i < 4; ++i)
+                *reinterpret_cast<__nv_bfloat16*>(tile + nt.token(i) * kRowBytes + (col + t * 64 + nt.row(i)) * 2) = __float2bfloat16_rn(acc[4 * t + i]);
         named_barrier(kBarrierMathBase + mt.wg, 128);
         constexpr int kChunks = kL2Tiles * 64 * 2 / 16;
-        const auto copy_chunk = [&](int chunk) {
-            const int t = chunk / kChunks, c = col * 2 + (chunk % kChunks) * 16;
+        static_assert(kNarrowRows * kChunks <= 128, "one 16-byte chunk per thread");
+        if (mt.tid < num_rows * kChunks) {
+            const int t = mt.tid / kChunks, c = col * 2 + (mt.tid % kChunks) * 16;
             const int info = __ldcg(mine<int>(lay.row_info) + static_cast<int64_t>(m) * BLOCK_M + t);
             if (info >= 0) {
                 const int n_max = lay.num_max_tokens_per_rank, topk = lay.num_topk;
@@ -2124,21 +2008,232 @@ struct Kernel {
                 auto* dst = peer<uint8_t>(src, lay.combine) + ((static_cast<int64_t>(k) * n_max + token) * lay.hidden + j * kL2BlockN) * 2 + c;
                 *reinterpret_cast<int4*>(dst) = *reinterpret_cast<const int4*>(tile + t * kRowBytes + c);
             }
-        };
-        if constexpr (kTok == kNarrowRows) {
-            static_assert(kNarrowRows * kChunks <= 128, "one 16-byte chunk per thread");
-            if (mt.tid < num_rows * kChunks) {
-                const int t = mt.tid / kChunks, c = col * 2 + (mt.tid % kChunks) * 16;
-                const int info = __ldcg(mine<int>(lay.row_info) + static_cast<int64_t>(m) * BLOCK_M + t);
-                if (info >= 0) {
-                    const int n_max = lay.num_max_tokens_per_rank, topk = lay.num_topk;
-                    const int src = info / (n_max * topk), token = (info % (n_max * topk)) / topk, k = info % topk;
-                    auto* dst = peer<uint8_t>(src, lay.combine) + ((static_cast<int64_t>(k) * n_max + token) * lay.hidden + j * kL2BlockN) * 2 + c;
-                    *reinterpret_cast<int4*>(dst) = *reinterpret_cast<const int4*>(tile + t * kRowBytes + c);
-                }
+        }
+        finish_l2_task(mt);
+    }
+
+    // ------------------------------------------------------------------------------------------
+    // Transposed wide tiles (FP8 x FP4 decode kernels, kTransposedWide): an M-block of more than 8
+    // tokens runs the way a narrow tile does, with N = BLOCK_M = 64: the weights are the wgmma M
+    // side, expanded into each thread's own A fragments, and the whole 64-row A tile is the K-major
+    // N side. So FP8 x FP4 decode keeps no E4M3 tile, no stmatrix, no proxy fence and no barrier
+    // across warpgroups in its K-loops (the wide tile's expand-then-wgmma chain: docs/PERF.md,
+    // session 17). Padding tokens (pool rows past the M-block's) are columns of their own: they
+    // never reach a real token's sums, amax or output row. Accumulator i of a thread's 32 per
+    // 64-row M tile (the m64n64 layout): weight row r0 + 8 ((i / 2) % 2) of the tile's 64, token
+    // 8 (i / 4) + c0 + i % 2, i.e. this thread's token slot 2 (i / 4) + i % 2 of 16.
+    static constexpr int kWideAcc = BLOCK_M / 2;      // accumulators per M tile
+    static constexpr int kWideTokens = BLOCK_M / 4;   // tokens per thread
+    __device__ static constexpr int wide_slot(int i) { return 2 * (i / 4) + i % 2; }
+    __device__ static int wide_row(const NarrowThread& nt, int i) { return nt.r0 + 8 * ((i / 2) % 2); }
+    __device__ static int wide_token(const NarrowThread& nt, int k) { return 8 * (k / 2) + nt.c0 + k % 2; }   // slot k's token
+    __device__ void wide_token_sf(int s, const NarrowThread& nt, float (&sa)[kWideTokens]) const {
+        #pragma unroll
+        for (int g = 0; g < kWideTokens / 2; ++g) {
+            const uint2 v = ld_shared_v2(smem_addr(sm.stage_sf(s)) + (8 * g + nt.c0) * 4);
+            sa[2 * g] = __uint_as_float(v.x), sa[2 * g + 1] = __uint_as_float(v.y);
+        }
+    }
+
+    // One K-block of two M tiles (L1: gate and up; a 256-wide L2 tile: its two) through one set of
+    // partial sums: the first M tile's wgmmas run while the second's fragments are expanded, the
+    // first's partials are promoted (`promote0`, which also reads the token scales) before the
+    // second's wgmmas reuse them. Two sets in flight (32 more registers a thread) put values of the
+    // whole math loop, the narrow tiles' too, in local memory. The caller releases the stage.
+    template <typename Promote0>
+    __device__ static void wide_fp4_k_block_pair(const FP4Rows& r0, const FP4Rows& r1, uint64_t dt, float (&part)[kWideAcc], uint32_t table,
+                                                 Promote0&& promote0) {
+        FP4Fragments a0, a1;
+        mma::fence_operands(part);
+        narrow_fp4_k_block<mma::FP8MmaRegAN64>(r0, a0, dt, part, table);
+        mma::warpgroup_commit();
+        narrow_fp4_expand(r1, a1, table);
+        mma::warpgroup_wait<0>();
+        mma::fence_operands(part);
+        mma::fence_fragments(a0);
+        promote0();
+        mma::warpgroup_arrive();
+        mma::FP8MmaRegAN64::fma_k_block(a1, dt, part, false);
+        mma::warpgroup_commit();
+        mma::warpgroup_wait<0>();
+        mma::fence_operands(part);
+        mma::fence_fragments(a1);
+    }
+
+    // L1: gate and up of this warpgroup's 64 rows (as narrow_l1_mainloop), all of H's K-blocks
+    __device__ bool transposed_l1_mainloop(uint32_t& stage_iter, const MathThread& mt, float (&gate)[kWideAcc], float (&up)[kWideAcc]) {
+        const NarrowThread nt(mt);
+        const int num_kb = lay.hidden / BLOCK_K;
+        const uint32_t table = opaque_u32(smem_addr(sm.fp4_table));   // once per task
+        #pragma unroll
+        for (int i = 0; i < kWideAcc; ++i) gate[i] = up[i] = 0.0f;
+        for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
+            if (not wait_full_l1(kb, stage_iter, mt)) return false;
+            const int s = stage_iter % kNumStages;
+            const uint64_t dt = mma::make_k_major_sw128_desc(sm.stage_a(s));
+            const float sg = sm.weight_sf(s, 0), su = sm.weight_sf(s, 1);
+            float sa[kWideTokens], part[kWideAcc];
+            FP4Rows rg, ru;
+            narrow_fp4_load(s, mt.wg * 64, mt, rg, table), narrow_fp4_load(s, 128 + mt.wg * 64, mt, ru, table);
+            wide_fp4_k_block_pair(rg, ru, dt, part, table, [&] {
+                wide_token_sf(s, nt, sa);
+                #pragma unroll
+                for (int i = 0; i < kWideAcc; ++i) gate[i] += part[i] * (sa[wide_slot(i)] * sg);
+            });
+            release_stage(stage_iter, mt);
+            #pragma unroll
+            for (int i = 0; i < kWideAcc; ++i) up[i] += part[i] * (sa[wide_slot(i)] * su);
+        }
+        return true;
+    }
+
+    // L1 epilogue (as narrow_l1_epilogue, for 64 tokens): the top-k weights read first (their
+    // latency under the SwiGLU of the 32 accumulator pairs; held across the K-loop they cost it
+    // local memory), each token's amax over the block's 128 columns exchanged as [token][math warp]
+    // in bytes 128.. of the token's staging row (its FP8 values take bytes 0..127)
+    __device__ void transposed_l1_epilogue(int m, int j, int num_rows, const MathThread& mt, const float (&gate)[kWideAcc],
+                                           const float (&up)[kWideAcc]) {
+        const NarrowThread nt(mt);
+        const float clamp = p.activation_clamp;
+        uint8_t* tile = sm.epilogue;    // row t: token t's 128 columns of the block
+        float tok_w[kWideTokens], act[kWideAcc], amax[kWideTokens];
+        const float* src = narrow_token_weights(m, nt);
+        #pragma unroll
+        for (int k = 0; k < kWideTokens; ++k) tok_w[k] = __ldcg(src + wide_token(nt, k) - nt.c0), amax[k] = 0.0f;
+        #pragma unroll
+        for (int i = 0; i < kWideAcc; ++i) {
+            const float gt = fminf(gate[i], clamp);
+            const float u = fminf(fmaxf(up[i], -clamp), clamp);
+            act[i] = silu<kFastMath>(gt) * u;   // then x w: (silu x u) x w, the narrow tile's order
+        }
+        #pragma unroll
+        for (int i = 0; i < kWideAcc; ++i) {
+            act[i] *= tok_w[wide_slot(i)];
+            amax[wide_slot(i)] = fmaxf(amax[wide_slot(i)], fabsf(act[i]));
+        }
+        // lanes of equal lane % 4 hold the same tokens
+        #pragma unroll
+        for (int k = 0; k < kWideTokens; ++k)
+            #pragma unroll
+            for (int d = 4; d < 32; d *= 2) amax[k] = fmaxf(amax[k], __shfl_xor_sync(0xffffffff, amax[k], d));
+        constexpr int kXchg = 128;
+        static_assert(kNumMathWGs * 4 == 8 and kXchg + 8 * 4 <= kMegaMoEEpilogueRowBytes and kMegaMoEEpilogueRowBytes % 16 == 0 and
+                      BLOCK_M * kMegaMoEEpilogueRowBytes <= mega_moe_epilogue_smem_bytes(kMmaType, BLOCK_M),
+                      "a token's 8 warp maxima: two 16-byte loads inside its staging row, 64 rows in the epilogue tile");
+        const uint32_t xchg = smem_addr(tile) + kXchg;
+        if (mt.lane < 4) {
+            #pragma unroll
+            for (int k = 0; k < kWideTokens; ++k) st_shared_f32(xchg + wide_token(nt, k) * kMegaMoEEpilogueRowBytes + (mt.wg * 4 + mt.warp) * 4, amax[k]);
+        }
+        named_barrier(kBarrierMathAll, kNumMathThreads);
+        #pragma unroll
+        for (int k = 0; k < kWideTokens; ++k) {
+            const uint4 a = ld_shared_v4(xchg + wide_token(nt, k) * kMegaMoEEpilogueRowBytes);
+            const uint4 b = ld_shared_v4(xchg + wide_token(nt, k) * kMegaMoEEpilogueRowBytes + 16);
+            amax[k] = fmaxf(fmaxf(fmaxf(__uint_as_float(a.x), __uint_as_float(a.y)), fmaxf(__uint_as_float(a.z), __uint_as_float(a.w))),
+                            fmaxf(fmaxf(__uint_as_float(b.x), __uint_as_float(b.y)), fmaxf(__uint_as_float(b.z), __uint_as_float(b.w))));
+        }
+        // Correctly rounded divisions, as the wide tile (bit-identical to per_token_cast_to_fp8)
+        float a[kWideTokens], inv[kWideTokens];
+        #pragma unroll
+        for (int k = 0; k < kWideTokens; ++k) a[k] = fmaxf(amax[k], 1e-10f), inv[k] = __fdiv_rn(448.0f, a[k]);
+        const int col = mt.wg * 64;     // this warpgroup's first column of the block
+        #pragma unroll
+        for (int i = 0; i < kWideAcc; ++i) {
+            const __nv_fp8_storage_t q = __nv_cvt_float_to_fp8(act[i] * inv[wide_slot(i)], __NV_SATFINITE, __NV_E4M3);
+            tile[(8 * (i / 4) + nt.c0 + i % 2) * kMegaMoEEpilogueRowBytes + col + wide_row(nt, i)] = q;
+        }
+        if (mt.wg == 0 and mt.warp == 0 and mt.lane < 4) {
+            #pragma unroll
+            for (int k = 0; k < kWideTokens; ++k)
+                if (wide_token(nt, k) < num_rows)
+                    mine<float>(lay.l2_sf)[static_cast<int64_t>(j) * lay.num_pool_rows + static_cast<int64_t>(m) * BLOCK_M + wide_token(nt, k)] =
+                        __fdiv_rn(a[k], 448.0f);
+        }
+        named_barrier(kBarrierMathAll, kNumMathThreads);
+        // 16-byte chunks of the token rows into the L2 pool, over all math threads
+        constexpr int kChunks = 128 / 16;
+        auto* l2_act = mine<uint8_t>(lay.l2_act);
+        for (int c = mt.wg * 128 + mt.tid; c < num_rows * kChunks; c += kNumMathThreads) {
+            const int t = c / kChunks, off = (c % kChunks) * 16;
+            const int64_t g = static_cast<int64_t>(m) * BLOCK_M + t;
+            *reinterpret_cast<int4*>(l2_act + g * lay.intermediate_hidden + j * 128 + off) =
+                *reinterpret_cast<const int4*>(tile + t * kMegaMoEEpilogueRowBytes + off);
+        }
+        // release, as the narrow tile
+        fence_proxy_async_global();
+        named_barrier(kBarrierMathAll, kNumMathThreads);
+        if (mt.tid == 0) red_release_gpu_add(mine<uint32_t>(lay.mblock_l1_done) + m, 1);
+    }
+
+    // L2 (as narrow_l2_mainloop): warpgroup w's kL2Tiles 64-row M tiles of the B tile
+    __device__ bool transposed_l2_mainloop(uint32_t& stage_iter, const MathThread& mt, float (&acc)[kWideAcc * kL2Tiles]) {
+        const NarrowThread nt(mt);
+        const int num_kb = lay.intermediate_hidden / BLOCK_K;
+        const uint32_t table = opaque_u32(smem_addr(sm.fp4_table));   // once per task
+        #pragma unroll
+        for (int i = 0; i < kWideAcc * kL2Tiles; ++i) acc[i] = 0.0f;
+        for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
+            if (not wait_full(stage_iter)) return false;
+            const int s = stage_iter % kNumStages;
+            const uint64_t dt = mma::make_k_major_sw128_desc(sm.stage_a(s));
+            const float sb = sm.weight_sf(s, kL2Tiles == 2 ? mt.wg : 0);
+            float sa[kWideTokens], part[kWideAcc];
+            FP4Rows r0, r1;
+            narrow_fp4_load(s, mt.wg * kL2Tiles * 64, mt, r0, table);
+            if constexpr (kL2Tiles == 2) {
+                narrow_fp4_load(s, mt.wg * kL2Tiles * 64 + 64, mt, r1, table);
+                wide_fp4_k_block_pair(r0, r1, dt, part, table, [&] {
+                    wide_token_sf(s, nt, sa);
+                    #pragma unroll
+                    for (int i = 0; i < kWideAcc; ++i) acc[i] += part[i] * (sa[wide_slot(i)] * sb);
+                });
+                release_stage(stage_iter, mt);
+                #pragma unroll
+                for (int i = 0; i < kWideAcc; ++i) acc[kWideAcc + i] += part[i] * (sa[wide_slot(i)] * sb);
+            } else {
+                FP4Fragments a0;
+                mma::fence_operands(part);
+                narrow_fp4_k_block<mma::FP8MmaRegAN64>(r0, a0, dt, part, table);
+                mma::warpgroup_commit();
+                mma::warpgroup_wait<0>();
+                mma::fence_operands(part);
+                mma::fence_fragments(a0);
+                wide_token_sf(s, nt, sa);
+                release_stage(stage_iter, mt);
+                #pragma unroll
+                for (int i = 0; i < kWideAcc; ++i) acc[i] += part[i] * (sa[wide_slot(i)] * sb);
             }
-        } else {
-            for (int c = mt.tid; c < num_rows * kChunks; c += 128) copy_chunk(c);
+        }
+        return true;
+    }
+
+    // L2 epilogue (as narrow_l2_epilogue, for 64 token rows): staged in the expanded tile, which no
+    // loop of these kernels reads, and the epilogue tile after it (64 rows of 256 columns: 33 KB)
+    __device__ void transposed_l2_epilogue(int m, int j, int num_rows, const MathThread& mt, const float (&acc)[kWideAcc * kL2Tiles]) {
+        const NarrowThread nt(mt);
+        constexpr int kRowBytes = kL2BlockN * 2 + 16;
+        static_assert(not kEpilogueInExpanded and
+                      BLOCK_M * kRowBytes <= mega_moe_expanded_b_bytes(kMmaType, BLOCK_M) + mega_moe_epilogue_smem_bytes(kMmaType, BLOCK_M),
+                      "64 staging rows fit the expanded tile and the epilogue tile after it");
+        uint8_t* tile = sm.expanded_b;
+        const int col = mt.wg * kL2Tiles * 64;
+        #pragma unroll
+        for (int t = 0; t < kL2Tiles; ++t)
+            #pragma unroll
+            for (int i = 0; i < kWideAcc; ++i)
+                *reinterpret_cast<__nv_bfloat16*>(tile + (8 * (i / 4) + nt.c0 + i % 2) * kRowBytes + (col + t * 64 + wide_row(nt, i)) * 2) =
+                    __float2bfloat16_rn(acc[kWideAcc * t + i]);
+        named_barrier(kBarrierMathBase + mt.wg, 128);
+        constexpr int kChunks = kL2Tiles * 64 * 2 / 16;
+        const int n_max = lay.num_max_tokens_per_rank, topk = lay.num_topk;
+        for (int c = mt.tid; c < num_rows * kChunks; c += 128) {
+            const int t = c / kChunks, off = col * 2 + (c % kChunks) * 16;
+            const int info = __ldcg(mine<int>(lay.row_info) + static_cast<int64_t>(m) * BLOCK_M + t);
+            if (info < 0) continue;
+            const int src = info / (n_max * topk), token = (info % (n_max * topk)) / topk, k = info % topk;
+            auto* dst = peer<uint8_t>(src, lay.combine) + ((static_cast<int64_t>(k) * n_max + token) * lay.hidden + j * kL2BlockN) * 2 + off;
+            *reinterpret_cast<int4*>(dst) = *reinterpret_cast<const int4*>(tile + t * kRowBytes + off);
         }
         finish_l2_task(mt);
     }
@@ -2304,15 +2399,15 @@ struct Kernel {
                 if (kSplitN and rows <= kNarrowRows) {   // the producer applies the same rule (scheduler)
                     float gate[4], up[4], tok_w[2];
                     const int task_kb = lay.hidden / BLOCK_K / tasks.l1_split;
-                    if (not narrow_l1_mainloop<kNarrowRows>(m, task_kb, stage_iter, mt, gate, up, tok_w) or task_stages_dead(stage_iter)) break;
+                    if (not narrow_l1_mainloop(m, task_kb, stage_iter, mt, gate, up, tok_w) or task_stages_dead(stage_iter)) break;
                     // split-K: only the tile's last finisher (sum of all parts) runs the epilogue
                     if (tasks.l1_split == 1 or split_l1_exchange(tile, idx % tasks.l1_split, tasks.l1_split, mt, gate, up))
-                        narrow_l1_epilogue<kNarrowRows>(m, j, rows, mt, gate, up, tok_w);
+                        narrow_l1_epilogue(m, j, rows, mt, gate, up, tok_w);
                 } else if constexpr (kTransposedWide) {
                     // Never split (as the wide loop below): all of H's K-blocks
-                    float gate[BLOCK_M / 2], up[BLOCK_M / 2], tok_w[2];   // tok_w: read by the epilogue
-                    if (not narrow_l1_mainloop<BLOCK_M>(m, lay.hidden / BLOCK_K, stage_iter, mt, gate, up, tok_w, rows) or task_stages_dead(stage_iter)) break;
-                    narrow_l1_epilogue<BLOCK_M>(m, j, rows, mt, gate, up, tok_w);
+                    float gate[kWideAcc], up[kWideAcc];
+                    if (not transposed_l1_mainloop(stage_iter, mt, gate, up) or task_stages_dead(stage_iter)) break;
+                    transposed_l1_epilogue(m, j, rows, mt, gate, up);
                 } else {
                     // Never split (l1_split > 1 only when every tile is narrow: max_tokens <= kNarrowRows
                     // in build_layout); the wide loop runs all of H's K-blocks, as the producer streams them
@@ -2328,12 +2423,12 @@ struct Kernel {
                 const int le = expert_of_mblock(m), rows = valid_rows(m, le);
                 if (kSplitN and rows <= kNarrowRows) {   // the producer applies the same rule (scheduler)
                     float narrow_acc[4 * kL2Tiles];
-                    if (not narrow_l2_mainloop<kNarrowRows>(stage_iter, mt, narrow_acc) or task_stages_dead(stage_iter)) break;
-                    narrow_l2_epilogue<kNarrowRows>(m, j, rows, mt, narrow_acc);
+                    if (not narrow_l2_mainloop(stage_iter, mt, narrow_acc) or task_stages_dead(stage_iter)) break;
+                    narrow_l2_epilogue(m, j, rows, mt, narrow_acc);
                 } else if constexpr (kTransposedWide) {   // one pass over the task's B rows, as a narrow tile (scheduler)
-                    float wide_acc[BLOCK_M / 2 * kL2Tiles];
-                    if (not narrow_l2_mainloop<BLOCK_M>(stage_iter, mt, wide_acc, rows) or task_stages_dead(stage_iter)) break;
-                    narrow_l2_epilogue<BLOCK_M>(m, j, rows, mt, wide_acc);
+                    float wide_acc[kWideAcc * kL2Tiles];
+                    if (not transposed_l2_mainloop(stage_iter, mt, wide_acc) or task_stages_dead(stage_iter)) break;
+                    transposed_l2_epilogue(m, j, rows, mt, wide_acc);
                 } else if constexpr (kL2Tiles == 1) {
                     if (not l2_mainloop(stage_iter, mt, acc) or task_stages_dead(stage_iter)) break;
                     epilogue_tile_free();
