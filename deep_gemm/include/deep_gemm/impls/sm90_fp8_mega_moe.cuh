@@ -1281,9 +1281,9 @@ struct Kernel {
         return r;
     }
 
-    // Wide tiles: expand the stage's packed B tile into the E4M3 tile `dst` the wgmma reads
-    // (decode: sm.expanded_b, one for all stages; prefill: sm.expanded(stage_iter), two, the next
-    // K-block's expanded while the wgmma reads this one's). A barrier of all math threads before
+    // Wide tiles (prefill; decode runs transposed wide tiles): expand the stage's packed B tile into
+    // the E4M3 tile `dst` the wgmma reads (sm.expanded(stage_iter), of two: the next K-block's
+    // expanded while the wgmma reads this one's). A barrier of all math threads before
     // the first store, so that no warpgroup overwrites the tile while the other's wgmma of an earlier
     // K-block still reads it, and one after the last; in the 128B-swizzled K-major layout that TMA
     // would have produced, so the FP8 wgmma path runs unchanged. A warp takes 8-row groups
@@ -1358,6 +1358,7 @@ struct Kernel {
     // L1 (column c of gate pairs with column c of up). Also returns the top-k weights of this
     // thread's two rows (read while the MMAs run).
     __device__ bool l1_mainloop(int m, uint32_t& stage_iter, const MathThread& mt, float (&acc)[kL1Acc], float (&row_w)[2]) {
+        static_assert(not kFP4 or kExpandAhead, "FP8 x FP4 runs wide tiles at prefill only (decode: transposed_l1_mainloop)");
         const int num_kb = lay.hidden / BLOCK_K;
         const int64_t g0 = static_cast<int64_t>(m) * BLOCK_M + mt.row_in_tile(0);
         // Issued while the first MMAs run, used in the epilogue (ordered after the pull's writes by
@@ -1382,7 +1383,6 @@ struct Kernel {
                     if (not wait_full_l1(kb, stage_iter, mt)) return false;
                 }
                 const int s = stage_iter % kNumStages;
-                if constexpr (kFP4 and not kExpandAhead) expand_fp4_tile<kMegaMoEBlockNL1>(s, sm.expanded_b);
                 const float sa0 = sm.token_sf(s, mt.row_in_tile(0)), sa1 = sm.token_sf(s, mt.row_in_tile(1));
                 const float sg = sm.weight_sf(s, 0), su = kExpandAhead ? 0.0f : sm.weight_sf(s, 1);
                 uint8_t* const b_tile = sm.mma_b(s, stage_iter);
@@ -1472,6 +1472,7 @@ struct Kernel {
     }
 
     __device__ bool l2_mainloop(uint32_t& stage_iter, const MathThread& mt, float (&acc)[kL2Acc]) {
+        static_assert(not kFP4 or kExpandAhead, "FP8 x FP4 runs wide tiles at prefill only (decode: transposed_l2_mainloop)");
         const int num_kb = lay.intermediate_hidden / BLOCK_K;
         const uint32_t a_offset = mt.row0() * 128, b_offset = kSplitN ? mt.wg * 64 * 128 : 0;
         if constexpr (kFP8) {
@@ -1487,7 +1488,6 @@ struct Kernel {
                     if (not wait_full(stage_iter)) return false;
                 }
                 const int s = stage_iter % kNumStages;
-                if constexpr (kFP4 and not kExpandAhead) expand_fp4_tile<kMegaMoEBlockNL2>(s, sm.expanded_b);
                 const float sb = sm.weight_sf(s, 0);
                 const float s0 = sm.token_sf(s, mt.row_in_tile(0)) * sb, s1 = sm.token_sf(s, mt.row_in_tile(1)) * sb;
                 const uint64_t da = mma::make_k_major_sw128_desc(sm.stage_a(s) + a_offset);
