@@ -76,7 +76,8 @@ DG_HOST_DEVICE constexpr int mega_moe_stage_b_bytes(MmaType t) {
 }
 // Expanded tiles: prefill (BLOCK_M = 128) keeps two, so that the expansion of K-block kb + 1 runs
 // while the wgmma of K-block kb reads the other (the math warpgroups are not serialized on it);
-// decode keeps one (its narrow tiles expand into registers, its wide tiles serially)
+// decode keeps one, which no K-loop reads (its narrow and transposed wide tiles expand into
+// registers): it stages a transposed wide tile's L2 rows with the epilogue tile after it
 DG_HOST_DEVICE constexpr int mega_moe_expanded_b_tiles(MmaType t, int block_m) {
     return t == MmaType::kFP8xFP4 ? (block_m == 128 ? 2 : 1) : 0;
 }

@@ -153,6 +153,9 @@ struct Kernel {
     // Two math warpgroups: BLOCK_M = 128 gives each 64 rows; BLOCK_M = 64 splits the columns
     static constexpr int kNumMathWGs = kMegaMoENumMathWarpgroups;
     static constexpr bool kSplitN = BLOCK_M == 64;
+    // FP8 x FP4 decode: M-blocks of more than 8 tokens run transposed (weights as register A, tokens
+    // as N = BLOCK_M; transposed_l1_mainloop), not as wide tiles over an expanded E4M3 tile
+    static constexpr bool kTransposedWide = kFP4 and kSplitN;
     static_assert(kSplitN == mega_moe_has_narrow_tiles(BLOCK_M), "the host builds the narrow A tensor maps by this rule");
     static constexpr int kNumThreads = 128 * (1 + kNumMathWGs);
     static constexpr int BLOCK_K = mega_moe_block_k(kMmaType);      // one 128-byte swizzle row
@@ -962,7 +965,7 @@ struct Kernel {
             int b_rows = is_l1 ? kMegaMoEBlockNL1 : kMegaMoEBlockNL2;
             int num_passes = 1;
             if constexpr (kL2Tiles == 2) {
-                if (not is_l1 and valid_rows(m, le) <= kNarrowRows) b_rows = kL2BlockN;   // as the math decides
+                if (not is_l1 and (kTransposedWide or valid_rows(m, le) <= kNarrowRows)) b_rows = kL2BlockN;   // as the math decides
                 else if (not is_l1) num_passes = 2;
             }
             // With kL2Tiles == 1 what follows is the 128-wide kernel from before the 256-wide
@@ -1278,9 +1281,9 @@ struct Kernel {
         return r;
     }
 
-    // Wide tiles: expand the stage's packed B tile into the E4M3 tile `dst` the wgmma reads
-    // (decode: sm.expanded_b, one for all stages; prefill: sm.expanded(stage_iter), two, the next
-    // K-block's expanded while the wgmma reads this one's). A barrier of all math threads before
+    // Wide tiles (prefill; decode runs transposed wide tiles): expand the stage's packed B tile into
+    // the E4M3 tile `dst` the wgmma reads (sm.expanded(stage_iter), of two: the next K-block's
+    // expanded while the wgmma reads this one's). A barrier of all math threads before
     // the first store, so that no warpgroup overwrites the tile while the other's wgmma of an earlier
     // K-block still reads it, and one after the last; in the 128B-swizzled K-major layout that TMA
     // would have produced, so the FP8 wgmma path runs unchanged. A warp takes 8-row groups
@@ -1355,6 +1358,7 @@ struct Kernel {
     // L1 (column c of gate pairs with column c of up). Also returns the top-k weights of this
     // thread's two rows (read while the MMAs run).
     __device__ bool l1_mainloop(int m, uint32_t& stage_iter, const MathThread& mt, float (&acc)[kL1Acc], float (&row_w)[2]) {
+        static_assert(not kFP4 or kExpandAhead, "FP8 x FP4 runs wide tiles at prefill only (decode: transposed_l1_mainloop)");
         const int num_kb = lay.hidden / BLOCK_K;
         const int64_t g0 = static_cast<int64_t>(m) * BLOCK_M + mt.row_in_tile(0);
         // Issued while the first MMAs run, used in the epilogue (ordered after the pull's writes by
@@ -1379,7 +1383,6 @@ struct Kernel {
                     if (not wait_full_l1(kb, stage_iter, mt)) return false;
                 }
                 const int s = stage_iter % kNumStages;
-                if constexpr (kFP4 and not kExpandAhead) expand_fp4_tile<kMegaMoEBlockNL1>(s, sm.expanded_b);
                 const float sa0 = sm.token_sf(s, mt.row_in_tile(0)), sa1 = sm.token_sf(s, mt.row_in_tile(1));
                 const float sg = sm.weight_sf(s, 0), su = kExpandAhead ? 0.0f : sm.weight_sf(s, 1);
                 uint8_t* const b_tile = sm.mma_b(s, stage_iter);
@@ -1469,6 +1472,7 @@ struct Kernel {
     }
 
     __device__ bool l2_mainloop(uint32_t& stage_iter, const MathThread& mt, float (&acc)[kL2Acc]) {
+        static_assert(not kFP4 or kExpandAhead, "FP8 x FP4 runs wide tiles at prefill only (decode: transposed_l2_mainloop)");
         const int num_kb = lay.intermediate_hidden / BLOCK_K;
         const uint32_t a_offset = mt.row0() * 128, b_offset = kSplitN ? mt.wg * 64 * 128 : 0;
         if constexpr (kFP8) {
@@ -1484,7 +1488,6 @@ struct Kernel {
                     if (not wait_full(stage_iter)) return false;
                 }
                 const int s = stage_iter % kNumStages;
-                if constexpr (kFP4 and not kExpandAhead) expand_fp4_tile<kMegaMoEBlockNL2>(s, sm.expanded_b);
                 const float sb = sm.weight_sf(s, 0);
                 const float s0 = sm.token_sf(s, mt.row_in_tile(0)) * sb, s1 = sm.token_sf(s, mt.row_in_tile(1)) * sb;
                 const uint64_t da = mma::make_k_major_sw128_desc(sm.stage_a(s) + a_offset);
@@ -1707,7 +1710,8 @@ struct Kernel {
     // written) issue its 4 wgmmas, which run while the caller expands the next M tile (L1: gate's
     // under up's expansion; a 256-wide L2 tile: its first M tile's under the second's). One fence
     // per M tile: a fence every 2 K steps measured slower (docs/PERF.md, session 16).
-    __device__ static void narrow_fp4_k_block(const FP4Rows& r, FP4Fragments& frag, uint64_t dt, float (&d)[4], uint32_t table) {
+    // (Mma: the 8-token tile's m64n8k32, or a transposed wide tile's m64n64k32.)
+    __device__ static void narrow_fp4_expand(const FP4Rows& r, FP4Fragments& frag, uint32_t table) {
         #pragma unroll
         for (int ks = 0; ks < mma::kWgmmaStepsPerKBlock; ++ks) {
             #pragma unroll
@@ -1717,8 +1721,12 @@ struct Kernel {
                 frag[ks][2 + h] = e.y;
             }
         }
+    }
+    template <typename Mma = mma::FP8MmaRegAN8>
+    __device__ static void narrow_fp4_k_block(const FP4Rows& r, FP4Fragments& frag, uint64_t dt, float (&d)[Mma::kNumAccum], uint32_t table) {
+        narrow_fp4_expand(r, frag, table);
         mma::warpgroup_arrive();
-        mma::FP8MmaRegAN8::fma_k_block(frag, dt, d, false);
+        Mma::fma_k_block(frag, dt, d, false);
     }
 
     // L1 on a narrow tile: gate and up of this warpgroup's 64 rows. Also returns the top-k weights
@@ -2004,6 +2012,232 @@ struct Kernel {
         finish_l2_task(mt);
     }
 
+    // ------------------------------------------------------------------------------------------
+    // Transposed wide tiles (FP8 x FP4 decode kernels, kTransposedWide): an M-block of more than 8
+    // tokens runs the way a narrow tile does, with N = BLOCK_M = 64: the weights are the wgmma M
+    // side, expanded into each thread's own A fragments, and the whole 64-row A tile is the K-major
+    // N side. So FP8 x FP4 decode keeps no E4M3 tile, no stmatrix, no proxy fence and no barrier
+    // across warpgroups in its K-loops (the wide tile's expand-then-wgmma chain: docs/PERF.md,
+    // session 17). Padding tokens (pool rows past the M-block's) are columns of their own: they
+    // never reach a real token's sums, amax or output row. Accumulator i of a thread's 32 per
+    // 64-row M tile (the m64n64 layout): weight row r0 + 8 ((i / 2) % 2) of the tile's 64, token
+    // 8 (i / 4) + c0 + i % 2, i.e. this thread's token slot 2 (i / 4) + i % 2 of 16.
+    static constexpr int kWideAcc = BLOCK_M / 2;      // accumulators per M tile
+    static constexpr int kWideTokens = BLOCK_M / 4;   // tokens per thread
+    __device__ static constexpr int wide_slot(int i) { return 2 * (i / 4) + i % 2; }
+    __device__ static int wide_row(const NarrowThread& nt, int i) { return nt.r0 + 8 * ((i / 2) % 2); }
+    __device__ static int wide_token(const NarrowThread& nt, int k) { return 8 * (k / 2) + nt.c0 + k % 2; }   // slot k's token
+    __device__ void wide_token_sf(int s, const NarrowThread& nt, float (&sa)[kWideTokens]) const {
+        #pragma unroll
+        for (int g = 0; g < kWideTokens / 2; ++g) {
+            const uint2 v = ld_shared_v2(smem_addr(sm.stage_sf(s)) + (8 * g + nt.c0) * 4);
+            sa[2 * g] = __uint_as_float(v.x), sa[2 * g + 1] = __uint_as_float(v.y);
+        }
+    }
+
+    // One K-block of two M tiles (L1: gate and up; a 256-wide L2 tile: its two) through one set of
+    // partial sums: the first M tile's wgmmas run while the second's fragments are expanded, the
+    // first's partials are promoted (`promote0`, which also reads the token scales) before the
+    // second's wgmmas reuse them. Two sets in flight (32 more registers a thread) put values of the
+    // whole math loop, the narrow tiles' too, in local memory. The caller releases the stage.
+    template <typename Promote0>
+    __device__ static void wide_fp4_k_block_pair(const FP4Rows& r0, const FP4Rows& r1, uint64_t dt, float (&part)[kWideAcc], uint32_t table,
+                                                 Promote0&& promote0) {
+        FP4Fragments a0, a1;
+        mma::fence_operands(part);
+        narrow_fp4_k_block<mma::FP8MmaRegAN64>(r0, a0, dt, part, table);
+        mma::warpgroup_commit();
+        narrow_fp4_expand(r1, a1, table);
+        mma::warpgroup_wait<0>();
+        mma::fence_operands(part);
+        mma::fence_fragments(a0);
+        promote0();
+        mma::warpgroup_arrive();
+        mma::FP8MmaRegAN64::fma_k_block(a1, dt, part, false);
+        mma::warpgroup_commit();
+        mma::warpgroup_wait<0>();
+        mma::fence_operands(part);
+        mma::fence_fragments(a1);
+    }
+
+    // L1: gate and up of this warpgroup's 64 rows (as narrow_l1_mainloop), all of H's K-blocks
+    __device__ bool transposed_l1_mainloop(uint32_t& stage_iter, const MathThread& mt, float (&gate)[kWideAcc], float (&up)[kWideAcc]) {
+        const NarrowThread nt(mt);
+        const int num_kb = lay.hidden / BLOCK_K;
+        const uint32_t table = opaque_u32(smem_addr(sm.fp4_table));   // once per task
+        #pragma unroll
+        for (int i = 0; i < kWideAcc; ++i) gate[i] = up[i] = 0.0f;
+        for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
+            if (not wait_full_l1(kb, stage_iter, mt)) return false;
+            const int s = stage_iter % kNumStages;
+            const uint64_t dt = mma::make_k_major_sw128_desc(sm.stage_a(s));
+            const float sg = sm.weight_sf(s, 0), su = sm.weight_sf(s, 1);
+            float sa[kWideTokens], part[kWideAcc];
+            FP4Rows rg, ru;
+            narrow_fp4_load(s, mt.wg * 64, mt, rg, table), narrow_fp4_load(s, 128 + mt.wg * 64, mt, ru, table);
+            wide_fp4_k_block_pair(rg, ru, dt, part, table, [&] {
+                wide_token_sf(s, nt, sa);
+                #pragma unroll
+                for (int i = 0; i < kWideAcc; ++i) gate[i] += part[i] * (sa[wide_slot(i)] * sg);
+            });
+            release_stage(stage_iter, mt);
+            #pragma unroll
+            for (int i = 0; i < kWideAcc; ++i) up[i] += part[i] * (sa[wide_slot(i)] * su);
+        }
+        return true;
+    }
+
+    // L1 epilogue (as narrow_l1_epilogue, for 64 tokens): the top-k weights read first (their
+    // latency under the SwiGLU of the 32 accumulator pairs; held across the K-loop they cost it
+    // local memory), each token's amax over the block's 128 columns exchanged as [token][math warp]
+    // in bytes 128.. of the token's staging row (its FP8 values take bytes 0..127)
+    __device__ void transposed_l1_epilogue(int m, int j, int num_rows, const MathThread& mt, const float (&gate)[kWideAcc],
+                                           const float (&up)[kWideAcc]) {
+        const NarrowThread nt(mt);
+        const float clamp = p.activation_clamp;
+        uint8_t* tile = sm.epilogue;    // row t: token t's 128 columns of the block
+        float tok_w[kWideTokens], act[kWideAcc], amax[kWideTokens];
+        const float* src = narrow_token_weights(m, nt);
+        #pragma unroll
+        for (int k = 0; k < kWideTokens; ++k) tok_w[k] = __ldcg(src + wide_token(nt, k) - nt.c0), amax[k] = 0.0f;
+        #pragma unroll
+        for (int i = 0; i < kWideAcc; ++i) {
+            const float gt = fminf(gate[i], clamp);
+            const float u = fminf(fmaxf(up[i], -clamp), clamp);
+            act[i] = silu<kFastMath>(gt) * u;   // then x w: (silu x u) x w, the narrow tile's order
+        }
+        #pragma unroll
+        for (int i = 0; i < kWideAcc; ++i) {
+            act[i] *= tok_w[wide_slot(i)];
+            amax[wide_slot(i)] = fmaxf(amax[wide_slot(i)], fabsf(act[i]));
+        }
+        // lanes of equal lane % 4 hold the same tokens
+        #pragma unroll
+        for (int k = 0; k < kWideTokens; ++k)
+            #pragma unroll
+            for (int d = 4; d < 32; d *= 2) amax[k] = fmaxf(amax[k], __shfl_xor_sync(0xffffffff, amax[k], d));
+        constexpr int kXchg = 128;
+        static_assert(kNumMathWGs * 4 == 8 and kXchg + 8 * 4 <= kMegaMoEEpilogueRowBytes and kMegaMoEEpilogueRowBytes % 16 == 0 and
+                      BLOCK_M * kMegaMoEEpilogueRowBytes <= mega_moe_epilogue_smem_bytes(kMmaType, BLOCK_M),
+                      "a token's 8 warp maxima: two 16-byte loads inside its staging row, 64 rows in the epilogue tile");
+        const uint32_t xchg = smem_addr(tile) + kXchg;
+        if (mt.lane < 4) {
+            #pragma unroll
+            for (int k = 0; k < kWideTokens; ++k) st_shared_f32(xchg + wide_token(nt, k) * kMegaMoEEpilogueRowBytes + (mt.wg * 4 + mt.warp) * 4, amax[k]);
+        }
+        named_barrier(kBarrierMathAll, kNumMathThreads);
+        #pragma unroll
+        for (int k = 0; k < kWideTokens; ++k) {
+            const uint4 a = ld_shared_v4(xchg + wide_token(nt, k) * kMegaMoEEpilogueRowBytes);
+            const uint4 b = ld_shared_v4(xchg + wide_token(nt, k) * kMegaMoEEpilogueRowBytes + 16);
+            amax[k] = fmaxf(fmaxf(fmaxf(__uint_as_float(a.x), __uint_as_float(a.y)), fmaxf(__uint_as_float(a.z), __uint_as_float(a.w))),
+                            fmaxf(fmaxf(__uint_as_float(b.x), __uint_as_float(b.y)), fmaxf(__uint_as_float(b.z), __uint_as_float(b.w))));
+        }
+        // Correctly rounded divisions, as the wide tile (bit-identical to per_token_cast_to_fp8)
+        float a[kWideTokens], inv[kWideTokens];
+        #pragma unroll
+        for (int k = 0; k < kWideTokens; ++k) a[k] = fmaxf(amax[k], 1e-10f), inv[k] = __fdiv_rn(448.0f, a[k]);
+        const int col = mt.wg * 64;     // this warpgroup's first column of the block
+        #pragma unroll
+        for (int i = 0; i < kWideAcc; ++i) {
+            const __nv_fp8_storage_t q = __nv_cvt_float_to_fp8(act[i] * inv[wide_slot(i)], __NV_SATFINITE, __NV_E4M3);
+            tile[(8 * (i / 4) + nt.c0 + i % 2) * kMegaMoEEpilogueRowBytes + col + wide_row(nt, i)] = q;
+        }
+        if (mt.wg == 0 and mt.warp == 0 and mt.lane < 4) {
+            #pragma unroll
+            for (int k = 0; k < kWideTokens; ++k)
+                if (wide_token(nt, k) < num_rows)
+                    mine<float>(lay.l2_sf)[static_cast<int64_t>(j) * lay.num_pool_rows + static_cast<int64_t>(m) * BLOCK_M + wide_token(nt, k)] =
+                        __fdiv_rn(a[k], 448.0f);
+        }
+        named_barrier(kBarrierMathAll, kNumMathThreads);
+        // 16-byte chunks of the token rows into the L2 pool, over all math threads
+        constexpr int kChunks = 128 / 16;
+        auto* l2_act = mine<uint8_t>(lay.l2_act);
+        for (int c = mt.wg * 128 + mt.tid; c < num_rows * kChunks; c += kNumMathThreads) {
+            const int t = c / kChunks, off = (c % kChunks) * 16;
+            const int64_t g = static_cast<int64_t>(m) * BLOCK_M + t;
+            *reinterpret_cast<int4*>(l2_act + g * lay.intermediate_hidden + j * 128 + off) =
+                *reinterpret_cast<const int4*>(tile + t * kMegaMoEEpilogueRowBytes + off);
+        }
+        // release, as the narrow tile
+        fence_proxy_async_global();
+        named_barrier(kBarrierMathAll, kNumMathThreads);
+        if (mt.tid == 0) red_release_gpu_add(mine<uint32_t>(lay.mblock_l1_done) + m, 1);
+    }
+
+    // L2 (as narrow_l2_mainloop): warpgroup w's kL2Tiles 64-row M tiles of the B tile
+    __device__ bool transposed_l2_mainloop(uint32_t& stage_iter, const MathThread& mt, float (&acc)[kWideAcc * kL2Tiles]) {
+        const NarrowThread nt(mt);
+        const int num_kb = lay.intermediate_hidden / BLOCK_K;
+        const uint32_t table = opaque_u32(smem_addr(sm.fp4_table));   // once per task
+        #pragma unroll
+        for (int i = 0; i < kWideAcc * kL2Tiles; ++i) acc[i] = 0.0f;
+        for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
+            if (not wait_full(stage_iter)) return false;
+            const int s = stage_iter % kNumStages;
+            const uint64_t dt = mma::make_k_major_sw128_desc(sm.stage_a(s));
+            const float sb = sm.weight_sf(s, kL2Tiles == 2 ? mt.wg : 0);
+            float sa[kWideTokens], part[kWideAcc];
+            FP4Rows r0, r1;
+            narrow_fp4_load(s, mt.wg * kL2Tiles * 64, mt, r0, table);
+            if constexpr (kL2Tiles == 2) {
+                narrow_fp4_load(s, mt.wg * kL2Tiles * 64 + 64, mt, r1, table);
+                wide_fp4_k_block_pair(r0, r1, dt, part, table, [&] {
+                    wide_token_sf(s, nt, sa);
+                    #pragma unroll
+                    for (int i = 0; i < kWideAcc; ++i) acc[i] += part[i] * (sa[wide_slot(i)] * sb);
+                });
+                release_stage(stage_iter, mt);
+                #pragma unroll
+                for (int i = 0; i < kWideAcc; ++i) acc[kWideAcc + i] += part[i] * (sa[wide_slot(i)] * sb);
+            } else {
+                FP4Fragments a0;
+                mma::fence_operands(part);
+                narrow_fp4_k_block<mma::FP8MmaRegAN64>(r0, a0, dt, part, table);
+                mma::warpgroup_commit();
+                mma::warpgroup_wait<0>();
+                mma::fence_operands(part);
+                mma::fence_fragments(a0);
+                wide_token_sf(s, nt, sa);
+                release_stage(stage_iter, mt);
+                #pragma unroll
+                for (int i = 0; i < kWideAcc; ++i) acc[i] += part[i] * (sa[wide_slot(i)] * sb);
+            }
+        }
+        return true;
+    }
+
+    // L2 epilogue (as narrow_l2_epilogue, for 64 token rows): staged in the expanded tile, which no
+    // loop of these kernels reads, and the epilogue tile after it (64 rows of 256 columns: 33 KB)
+    __device__ void transposed_l2_epilogue(int m, int j, int num_rows, const MathThread& mt, const float (&acc)[kWideAcc * kL2Tiles]) {
+        const NarrowThread nt(mt);
+        constexpr int kRowBytes = kL2BlockN * 2 + 16;
+        static_assert(not kEpilogueInExpanded and
+                      BLOCK_M * kRowBytes <= mega_moe_expanded_b_bytes(kMmaType, BLOCK_M) + mega_moe_epilogue_smem_bytes(kMmaType, BLOCK_M),
+                      "64 staging rows fit the expanded tile and the epilogue tile after it");
+        uint8_t* tile = sm.expanded_b;
+        const int col = mt.wg * kL2Tiles * 64;
+        #pragma unroll
+        for (int t = 0; t < kL2Tiles; ++t)
+            #pragma unroll
+            for (int i = 0; i < kWideAcc; ++i)
+                *reinterpret_cast<__nv_bfloat16*>(tile + (8 * (i / 4) + nt.c0 + i % 2) * kRowBytes + (col + t * 64 + wide_row(nt, i)) * 2) =
+                    __float2bfloat16_rn(acc[kWideAcc * t + i]);
+        named_barrier(kBarrierMathBase + mt.wg, 128);
+        constexpr int kChunks = kL2Tiles * 64 * 2 / 16;
+        const int n_max = lay.num_max_tokens_per_rank, topk = lay.num_topk;
+        for (int c = mt.tid; c < num_rows * kChunks; c += 128) {
+            const int t = c / kChunks, off = col * 2 + (c % kChunks) * 16;
+            const int info = __ldcg(mine<int>(lay.row_info) + static_cast<int64_t>(m) * BLOCK_M + t);
+            if (info < 0) continue;
+            const int src = info / (n_max * topk), token = (info % (n_max * topk)) / topk, k = info % topk;
+            auto* dst = peer<uint8_t>(src, lay.combine) + ((static_cast<int64_t>(k) * n_max + token) * lay.hidden + j * kL2BlockN) * 2 + off;
+            *reinterpret_cast<int4*>(dst) = *reinterpret_cast<const int4*>(tile + t * kRowBytes + off);
+        }
+        finish_l2_task(mt);
+    }
+
     // All of this rank's L2 rows are out: tell every source rank
     __device__ void signal_combine_ready() const {
         fence_peers();
@@ -2169,6 +2403,11 @@ struct Kernel {
                     // split-K: only the tile's last finisher (sum of all parts) runs the epilogue
                     if (tasks.l1_split == 1 or split_l1_exchange(tile, idx % tasks.l1_split, tasks.l1_split, mt, gate, up))
                         narrow_l1_epilogue(m, j, rows, mt, gate, up, tok_w);
+                } else if constexpr (kTransposedWide) {
+                    // Never split (as the wide loop below): all of H's K-blocks
+                    float gate[kWideAcc], up[kWideAcc];
+                    if (not transposed_l1_mainloop(stage_iter, mt, gate, up) or task_stages_dead(stage_iter)) break;
+                    transposed_l1_epilogue(m, j, rows, mt, gate, up);
                 } else {
                     // Never split (l1_split > 1 only when every tile is narrow: max_tokens <= kNarrowRows
                     // in build_layout); the wide loop runs all of H's K-blocks, as the producer streams them
@@ -2186,6 +2425,10 @@ struct Kernel {
                     float narrow_acc[4 * kL2Tiles];
                     if (not narrow_l2_mainloop(stage_iter, mt, narrow_acc) or task_stages_dead(stage_iter)) break;
                     narrow_l2_epilogue(m, j, rows, mt, narrow_acc);
+                } else if constexpr (kTransposedWide) {   // one pass over the task's B rows, as a narrow tile (scheduler)
+                    float wide_acc[kWideAcc * kL2Tiles];
+                    if (not transposed_l2_mainloop(stage_iter, mt, wide_acc) or task_stages_dead(stage_iter)) break;
+                    transposed_l2_epilogue(m, j, rows, mt, wide_acc);
                 } else if constexpr (kL2Tiles == 1) {
                     if (not l2_mainloop(stage_iter, mt, acc) or task_stages_dead(stage_iter)) break;
                     epilogue_tile_free();
