@@ -140,10 +140,12 @@ struct TensorMaps {
 
 // kL2BlockN: the L2 task width (mega_moe_params.cuh), a variant of its own so that the 128-wide
 // kernel carries no code of the 256-wide tasks (compiled in, they slowed it: docs/KERNEL.md)
-template <MmaType kMmaType, int BLOCK_M, int kNumStages, bool kFastMath, int kL2BlockN>
+// kWideNMin: the narrowest transposed wide tile (FP8 x FP4 decode; mega_moe_wide_n_ok), a variant too
+template <MmaType kMmaType, int BLOCK_M, int kNumStages, bool kFastMath, int kL2BlockN, int kWideNMin>
 struct Kernel {
     static_assert(BLOCK_M == 64 or BLOCK_M == 128, "one or two math warpgroups of 64 rows");
     static_assert(mega_moe_l2_block_n_ok(BLOCK_M, kL2BlockN), "L2 tasks: 128 wide, or 256 wide with BLOCK_M = 64");
+    static_assert(mega_moe_wide_n_ok(kMmaType, BLOCK_M, kWideNMin), "transposed tiles below N = 64: FP8 x FP4 decode only");
     static_assert(L::kMaxBlockM % BLOCK_M == 0 and BLOCK_M >= L::kMinBlockM, "pools are padded for kMinBlockM..kMaxBlockM");
     static_assert(kNumStages >= 2, "pipeline needs at least double buffering");
 
@@ -156,7 +158,7 @@ struct Kernel {
     // FP8 x FP4 decode: M-blocks of more than 8 tokens run transposed (weights as register A, tokens
     // as N = BLOCK_M; transposed_l1_mainloop), not as wide tiles over an expanded E4M3 tile
     static constexpr bool kTransposedWide = kFP4 and kSplitN;
-    static constexpr bool kWideN16 = true, kWideN32 = true;   // transposed tiles of N = 16 / 32 (else 64)
+    static constexpr bool kWideN16 = kWideNMin <= 16, kWideN32 = kWideNMin <= 32;   // transposed tiles of N = 16 / 32 (else 64)
     static_assert(kSplitN == mega_moe_has_narrow_tiles(BLOCK_M), "the host builds the narrow A tensor maps by this rule");
     static constexpr int kNumThreads = 128 * (1 + kNumMathWGs);
     static constexpr int BLOCK_K = mega_moe_block_k(kMmaType);      // one 128-byte swizzle row
@@ -2411,8 +2413,8 @@ struct Kernel {
                     // split-K: only the tile's last finisher (sum of all parts) runs the epilogue
                     if (tasks.l1_split == 1 or split_l1_exchange(tile, idx % tasks.l1_split, tasks.l1_split, mt, gate, up))
                         narrow_l1_epilogue(m, j, rows, mt, gate, up, tok_w);
-                } else if constexpr (kTransposedWide) {
-                    // Never split (as the wide loop below): all of H's K-blocks
+                } else if constexpr (kTransposedWide and (kWideN16 or kWideN32)) {
+                    // Never split (as the wide loop below): all of H's K-blocks; N by the tokens
                     const auto run = [&](auto n) {
                         constexpr int kN = decltype(n)::value;
                         float gate[kN / 2], up[kN / 2];
@@ -2422,6 +2424,10 @@ struct Kernel {
                     };
                     if (not (rows <= 16 and kWideN16 ? run(std::integral_constant<int, 16>{})
                              : rows <= 32 and kWideN32 ? run(std::integral_constant<int, 32>{}) : run(std::integral_constant<int, 64>{}))) break;
+                } else if constexpr (kTransposedWide) {   // N = 64 only (the lambda above changes this kernel's SASS)
+                    float gate[32], up[32];
+                    if (not transposed_l1_mainloop<64>(stage_iter, mt, gate, up) or task_stages_dead(stage_iter)) break;
+                    transposed_l1_epilogue<64>(m, j, rows, mt, gate, up);
                 } else {
                     // Never split (l1_split > 1 only when every tile is narrow: max_tokens <= kNarrowRows
                     // in build_layout); the wide loop runs all of H's K-blocks, as the producer streams them
@@ -2439,7 +2445,7 @@ struct Kernel {
                     float narrow_acc[4 * kL2Tiles];
                     if (not narrow_l2_mainloop(stage_iter, mt, narrow_acc) or task_stages_dead(stage_iter)) break;
                     narrow_l2_epilogue(m, j, rows, mt, narrow_acc);
-                } else if constexpr (kTransposedWide) {   // one pass over the task's B rows, as a narrow tile (scheduler)
+                } else if constexpr (kTransposedWide and (kWideN16 or kWideN32)) {   // one pass over the task's B rows, as a narrow tile (scheduler)
                     const auto run = [&](auto n) {
                         constexpr int kN = decltype(n)::value;
                         float wide_acc[kN / 2 * kL2Tiles];
@@ -2449,6 +2455,10 @@ struct Kernel {
                     };
                     if (not (rows <= 16 and kWideN16 ? run(std::integral_constant<int, 16>{})
                              : rows <= 32 and kWideN32 ? run(std::integral_constant<int, 32>{}) : run(std::integral_constant<int, 64>{}))) break;
+                } else if constexpr (kTransposedWide) {
+                    float wide_acc[32 * kL2Tiles];
+                    if (not transposed_l2_mainloop<64>(stage_iter, mt, wide_acc) or task_stages_dead(stage_iter)) break;
+                    transposed_l2_epilogue<64>(m, j, rows, mt, wide_acc);
                 } else if constexpr (kL2Tiles == 1) {
                     if (not l2_mainloop(stage_iter, mt, acc) or task_stages_dead(stage_iter)) break;
                     epilogue_tile_free();
@@ -2597,8 +2607,8 @@ struct Kernel {
 }  // namespace deep_gemm::sm90_mega_moe
 
 // The JIT runtime instantiates this with the config chosen by the heuristics
-#define DG_DEFINE_SM90_MEGA_MOE_KERNEL(NAME, MMA_TYPE, BLOCK_M, NUM_STAGES, FAST_MATH, L2_BLOCK_N)                    \
-    extern "C" __global__ void __launch_bounds__(deep_gemm::sm90_mega_moe::Kernel<MMA_TYPE, BLOCK_M, NUM_STAGES, FAST_MATH, L2_BLOCK_N>::kNumThreads, 1) \
+#define DG_DEFINE_SM90_MEGA_MOE_KERNEL(NAME, MMA_TYPE, BLOCK_M, NUM_STAGES, FAST_MATH, L2_BLOCK_N, WIDE_N_MIN)        \
+    extern "C" __global__ void __launch_bounds__(deep_gemm::sm90_mega_moe::Kernel<MMA_TYPE, BLOCK_M, NUM_STAGES, FAST_MATH, L2_BLOCK_N, WIDE_N_MIN>::kNumThreads, 1) \
     NAME(const __grid_constant__ deep_gemm::MegaMoEParams params, const __grid_constant__ CUtensorMap tm_l1_act,       \
          const __grid_constant__ CUtensorMap tm_l1_w, const __grid_constant__ CUtensorMap tm_l2_act,                   \
          const __grid_constant__ CUtensorMap tm_l2_w, const __grid_constant__ CUtensorMap tm_l1_act_narrow,            \
@@ -2606,7 +2616,7 @@ struct Kernel {
          const __grid_constant__ CUtensorMap tm_l1_d_pair, const __grid_constant__ CUtensorMap tm_l2_d_pair) {        \
         extern __shared__ __align__(1024) uint8_t dg_smem[];                                                          \
         auto* base = reinterpret_cast<uint8_t*>(deep_gemm::align_up<uintptr_t>(reinterpret_cast<uintptr_t>(dg_smem), 1024)); \
-        deep_gemm::sm90_mega_moe::Kernel<MMA_TYPE, BLOCK_M, NUM_STAGES, FAST_MATH, L2_BLOCK_N> kernel(params, base);              \
+        deep_gemm::sm90_mega_moe::Kernel<MMA_TYPE, BLOCK_M, NUM_STAGES, FAST_MATH, L2_BLOCK_N, WIDE_N_MIN> kernel(params, base);  \
         kernel.run({&tm_l1_act, &tm_l1_w, &tm_l2_act, &tm_l2_w, &tm_l1_act_narrow, &tm_l2_act_narrow, &tm_l2_w_pair,  \
                     &tm_l1_d_pair, &tm_l2_d_pair});                                                                    \
     }
