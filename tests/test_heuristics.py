@@ -293,8 +293,9 @@ def test_launched_kernel_has_the_l2_width(override, widths):
         assert v['mma_type'] == args[0] and v['fast_math'] is True
         # the kernel of that width: its cache name and its template arguments
         assert f"_m{v['block_m']}_n{width}_s{v['num_stages']}_fast" in v['name']
-        source = _C.get_mega_moe_kernel_source(v['mma_type'], v['block_m'], v['num_stages'], True, v['block_n_l2'])
-        assert source.rstrip().endswith(f"{v['block_m']}, {v['num_stages']}, true, {width})"), source
+        source = _C.get_mega_moe_kernel_source(v['mma_type'], v['block_m'], v['num_stages'], True, v['block_n_l2'],
+                                               v['wide_n_min'])
+        assert source.rstrip().endswith(f"{v['block_m']}, {v['num_stages']}, true, {width}, {v['wide_n_min']})"), source
 
 
 def test_launcher_rejects_a_bad_l2_width_setting():
@@ -335,3 +336,55 @@ def test_launcher_rejects_a_bad_l1_split_setting():
     assert all('DG_MEGA_MOE_L1_SPLIT' in o and "'3'" in o for o in out), out
     with pytest.raises(ValueError, match='mma_type'):
         _C.get_mega_moe_l1_split_max(3)
+
+
+# FP8 x FP4 decode: the kernel with transposed tiles of N = 16 / 32 from 6 expected tokens per local
+# expert on (kFP4WideTokensPerExpert), N = 64 only below; every other kernel N = 64 (none of its own)
+@pytest.mark.parametrize('fmt, experts, topk, n, ranks, wide_n_min', [
+    ('fp8xfp4', 256, 6, 128, 1, 64),     # 3 tokens per expert: narrow tiles dominate
+    ('fp8xfp4', 256, 6, 255, 1, 64),     # 5.98
+    ('fp8xfp4', 256, 6, 256, 1, 16),     # 6
+    ('fp8xfp4', 256, 6, 512, 1, 16),
+    ('fp8xfp4', 128, 8, 128, 1, 16),     # 8
+    ('fp8xfp4', 256, 8, 32, 8, 16),      # 8 ranks of 32 tokens: 8 per expert
+    ('fp8xfp4', 256, 8, 1 << 14, 1, 64),  # prefill (BLOCK_M 128): no transposed tiles
+    ('fp8xfp8', 256, 6, 512, 1, 64),
+    ('bf16xbf16', 128, 8, 128, 1, 64),
+])
+def test_fp4_decode_wide_tiles(fmt, experts, topk, n, ranks, wide_n_min):
+    c = config(fmt, num_ranks=ranks, num_experts=experts, num_topk=topk, hidden=4096, num_tokens=n)
+    assert c['wide_n_min'] == wide_n_min, c
+    assert f'wide_n_min={wide_n_min}' in c['description']
+
+
+def test_wide_n_variant_arguments():
+    # the N = 16 / 32 tiles exist in FP8 x FP4 decode kernels only; the default is N = 64 only
+    for bad in [(MMA_TYPES['fp8xfp8'], 64, 5, True, 128, 16), (MMA_TYPES['fp8xfp4'], 128, 4, True, 128, 16),
+                (MMA_TYPES['fp8xfp4'], 64, 6, True, 128, 8)]:
+        with pytest.raises(ValueError, match='wide_n_min'):
+            _C.get_mega_moe_kernel_source(*bad)
+    assert _C.get_mega_moe_kernel_source(MMA_TYPES['fp8xfp4'], 64, 6) == \
+        _C.get_mega_moe_kernel_source(MMA_TYPES['fp8xfp4'], 64, 6, True, 128, 64)
+    assert _C.get_mega_moe_kernel_source(MMA_TYPES['fp8xfp4'], 64, 6, True, 256, 16).rstrip().endswith('true, 256, 16)')
+
+
+_V4_FP4_N512 = (MMA_TYPES['fp8xfp4'], 1, 256, 6, 4096, 2048, 512, H200_SMS)
+
+
+@pytest.mark.parametrize('override, wide_ns', [
+    (None, [64, 16, 64]),    # the heuristic's: v4-flash FP4 n = 1 / 512, FP8
+    ('16', [16, 16, 64]),
+    ('32', [32, 32, 64]),
+    ('64', [64, 64, 64]),    # not where the kernel has no transposed tiles (FP8)
+])
+def test_launched_kernel_has_the_wide_tiles(override, wide_ns):
+    cases = [_V4_FP4_N1, _V4_FP4_N512, _V4_FLASH_N1]
+    out = json.loads(_run_script(_CALLS_SCRIPT, 'DG_MEGA_MOE_WIDE_N', override, 'get_mega_moe_kernel_variant', json.dumps(cases)))
+    assert [v['wide_n_min'] for v in out] == wide_ns
+    for v in out:
+        assert v['name'].endswith(f"_w{v['wide_n_min']}") == (v['wide_n_min'] != 64), v['name']
+
+
+def test_launcher_rejects_a_bad_wide_n_setting():
+    out = json.loads(_run_script(_CALLS_SCRIPT, 'DG_MEGA_MOE_WIDE_N', '8', 'get_mega_moe_kernel_variant', json.dumps([_V4_FP4_N1])))
+    assert 'DG_MEGA_MOE_WIDE_N' in out[0] and "'8'" in out[0]

@@ -1,7 +1,8 @@
 """Host side of one Mega MoE call: addresses, stream, SM count, status mirror -> `_C.launch_mega_moe`.
 
-The kernel variant (format, BLOCK_M, stages, fast/exact SwiGLU, L2 task width 128 or 256) is chosen
-in C++ from the heuristics and DG_MEGA_MOE_L2_BLOCK_N; `_C.get_mega_moe_kernel_variant` shows it.
+The kernel variant (format, BLOCK_M, stages, fast/exact SwiGLU, L2 task width 128 or 256, FP8 x FP4
+decode's transposed tile widths) is chosen
+in C++ from the heuristics, DG_MEGA_MOE_L2_BLOCK_N and DG_MEGA_MOE_WIDE_N; `_C.get_mega_moe_kernel_variant` shows it.
 
 Called by `deep_gemm.mega.api` after validation; nothing here allocates device memory or
 synchronizes, so calls are CUDA-graph capturable (the pinned status mirror is made on first use,
@@ -30,13 +31,13 @@ def _max_smem(device: torch.device) -> int:
 
 def kernel_variant(kind: str, num_ranks: int, num_experts: int, num_topk: int, hidden: int, intermediate_hidden: int,
                    num_tokens: int, num_sms: int, max_smem: int, fast_math: bool = True):
-    """(mma_type, block_m, num_stages, fast_math, block_n_l2) of the kernel that a call with these arguments
-    launches: the C++ launcher's own choice (heuristic and DG_MEGA_MOE_L2_BLOCK_N), the key of
-    `_C.compile_mega_moe`."""
+    """(mma_type, block_m, num_stages, fast_math, block_n_l2, wide_n_min) of the kernel that a call with these
+    arguments launches: the C++ launcher's own choice (heuristic, DG_MEGA_MOE_L2_BLOCK_N and DG_MEGA_MOE_WIDE_N),
+    the key of `_C.compile_mega_moe`."""
     v = _C.get_mega_moe_kernel_variant(mma_type_to_int(kind), num_ranks, num_experts, num_topk, hidden,
                                        intermediate_hidden, int(num_tokens), int(num_sms), int(max_smem),
                                        bool(fast_math))
-    return v['mma_type'], v['block_m'], v['num_stages'], v['fast_math'], v['block_n_l2']
+    return v['mma_type'], v['block_m'], v['num_stages'], v['fast_math'], v['block_n_l2'], v['wide_n_min']
 
 
 _compiled_calls = set()

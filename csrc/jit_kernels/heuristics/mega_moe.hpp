@@ -34,6 +34,9 @@ constexpr int kMinStages = 2;
 constexpr int kMaxStages = 8;
 // Weight stages an FP8 x FP4 decode task (block_m 64) streams before its inputs are ready
 constexpr int kFP4DecodePrefetchStages = 3;
+// Expected tokens per expert from which FP8 x FP4 decode launches the kernel with transposed tiles of
+// N = 16 / 32 (6: ~15 % of the M-blocks hold more than 8 tokens at Poisson 6)
+constexpr int kFP4WideTokensPerExpert = 6;
 // Opt-in shared memory per block on every Hopper part the kernel targets (H100/H200: 227 KB)
 constexpr int kSM90MaxSmemBytes = 232448;
 }  // namespace mega_moe_tiles
@@ -44,6 +47,7 @@ struct MegaMoEConfig {
     int num_math_warpgroups;   // 2: 64 rows each (block_m 128) or half the columns each (block_m 64)
     int block_n_l1;            // 256: 128 gate + 128 up columns
     int block_n_l2;            // L2 task width, a kernel variant: 128, or 256 (decode, 128-wide tasks outnumber the SMs)
+    int wide_n_min;            // narrowest transposed wide tile, a kernel variant: 64, or 16 (FP8 x FP4 decode, many tokens per expert)
     int block_k;               // 128 (FP8) or 64 (BF16): one 128-byte swizzle row
     int num_stages;            // TMA -> WGMMA pipeline depth
     int num_prefetch_stages;   // weight stages a task streams before its inputs are ready (<= num_stages)
@@ -64,7 +68,7 @@ struct MegaMoEConfig {
         static constexpr const char* kNames[] = {"fp8xfp4", "fp8xfp8", "bf16xbf16"};
         std::ostringstream os;
         os << "MegaMoEConfig(mma_type=" << kNames[static_cast<int>(mma_type)] << ", block_m=" << block_m
-           << ", block_n_l1=" << block_n_l1 << ", block_n_l2=" << block_n_l2 << ", block_k=" << block_k
+           << ", block_n_l1=" << block_n_l1 << ", block_n_l2=" << block_n_l2 << ", wide_n_min=" << wide_n_min << ", block_k=" << block_k
            << ", num_stages=" << num_stages << ", num_prefetch_stages=" << num_prefetch_stages << ", num_math_warpgroups=" << num_math_warpgroups
            << ", num_threads=" << num_threads << ", num_sms=" << num_sms
            << ", num_experts_per_wave=" << num_experts_per_wave << ", smem_bytes=" << smem_bytes
@@ -183,6 +187,16 @@ inline MegaMoEConfig get_mega_moe_config(MmaType mma_type, int num_ranks, int nu
     const bool few_tokens_per_expert = pairs_per_rank <= 8 * experts_touched;
     if (c.block_m == 64 and few_tokens_per_expert and l2_tasks_128 > num_sms and hidden % 256 == 0)
         c.block_n_l2 = 2 * kMegaMoEBlockNL2;
+
+    // FP8 x FP4 decode runs M-blocks of more than 8 tokens as transposed tiles of N = 64, or with the
+    // kernel variant of N = 16 / 32 / 64 by the M-block's tokens, whose tensor work and promotion follow
+    // the tokens (v4-flash n = 512: -17 %, mid n = 128: -9 %) but whose code slows the narrow tiles by
+    // ~1 % (v4-flash n = 8 / 128): the variant from kFP4WideTokensPerExpert expected tokens per
+    // local expert on (docs/PERF.md, session 17)
+    c.wide_n_min = 64;
+    if (mma_type == MmaType::kFP8xFP4 and c.block_m == 64 and
+        num_routed_pairs >= static_cast<int64_t>(kFP4WideTokensPerExpert) * num_experts)
+        c.wide_n_min = 16;
     return c;
 }
 

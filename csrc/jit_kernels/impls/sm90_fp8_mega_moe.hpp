@@ -33,16 +33,20 @@ inline const char* mma_type_cpp_name(MmaType t) {
 }
 
 // One kernel: the kernel's template parameters, in their order (Kernel<kMmaType, BLOCK_M,
-// kNumStages, kFastMath, kL2BlockN>)
+// kNumStages, kFastMath, kL2BlockN, kWideNMin>)
 struct SM90MegaMoEVariant {
     MmaType mma_type;
     int block_m, num_stages;
     bool fast_math;
     int block_n_l2;     // L2 task width: 128, or 256 with block_m 64 (mega_moe_l2_block_n_ok)
+    int wide_n_min = 64;   // narrowest transposed wide tile: 64, or 16 / 32 for FP8 x FP4 with block_m 64 (mega_moe_wide_n_ok)
 
     void check() const {
         if (not mega_moe_l2_block_n_ok(block_m, block_n_l2))
             jit::raise_invalid_argument("block_n_l2: expected 128, or 256 with block_m = 64; got ", block_n_l2,
+                                        " with block_m = ", block_m);
+        if (not mega_moe_wide_n_ok(mma_type, block_m, wide_n_min))
+            jit::raise_invalid_argument("wide_n_min: expected 64, or 16 / 32 for fp8xfp4 with block_m = 64; got ", wide_n_min,
                                         " with block_m = ", block_m);
     }
 
@@ -51,6 +55,7 @@ struct SM90MegaMoEVariant {
         std::ostringstream os;
         os << "sm90_mega_moe_" << kNames[static_cast<int>(mma_type)] << "_m" << block_m << "_n" << block_n_l2
            << "_s" << num_stages << (fast_math ? "_fast" : "_exact");
+        if (wide_n_min != 64) os << "_w" << wide_n_min;
         return os.str();
     }
 
@@ -59,7 +64,7 @@ struct SM90MegaMoEVariant {
         std::ostringstream os;
         os << "#include <deep_gemm/impls/sm90_fp8_mega_moe.cuh>\n\n"
            << "DG_DEFINE_SM90_MEGA_MOE_KERNEL(sm90_mega_moe, " << mma_type_cpp_name(mma_type) << ", " << block_m << ", "
-           << num_stages << ", " << (fast_math ? "true" : "false") << ", " << block_n_l2 << ")\n";
+           << num_stages << ", " << (fast_math ? "true" : "false") << ", " << block_n_l2 << ", " << wide_n_min << ")\n";
         return os.str();
     }
 
@@ -67,8 +72,8 @@ struct SM90MegaMoEVariant {
     // launch does not regenerate and hash the source.
     std::filesystem::path compile() const {
         static std::mutex mutex;
-        static std::map<std::tuple<int, int, int, bool, int>, std::filesystem::path> compiled;
-        const auto key = std::make_tuple(static_cast<int>(mma_type), block_m, num_stages, fast_math, block_n_l2);
+        static std::map<std::tuple<int, int, int, bool, int, int>, std::filesystem::path> compiled;
+        const auto key = std::make_tuple(static_cast<int>(mma_type), block_m, num_stages, fast_math, block_n_l2, wide_n_min);
         std::lock_guard<std::mutex> lock(mutex);
         if (auto it = compiled.find(key); it != compiled.end())
             return it->second;
@@ -123,14 +128,23 @@ inline int select_mega_moe_l2_block_n(const MegaMoEConfig& config, int hidden) {
     return mega_moe_l2_block_n_ok(config.block_m, width) and hidden % width == 0 ? width : kMegaMoEBlockNL2;
 }
 
-// The config a call launches (the heuristic's, with the L2 width above) and its kernel variant
+// The narrowest transposed wide tile a call launches: the heuristic's, or the tuning aid
+// DG_MEGA_MOE_WIDE_N = 16, 32 or 64 (read once per process) where the kernel has transposed tiles
+inline int select_mega_moe_wide_n_min(const MegaMoEConfig& config) {
+    static const int wide_n_override = read_env_choice("DG_MEGA_MOE_WIDE_N", {"16", "32", "64"});
+    const int n = wide_n_override > 0 ? wide_n_override : config.wide_n_min;
+    return mega_moe_wide_n_ok(config.mma_type, config.block_m, n) ? n : 64;
+}
+
+// The config a call launches (the heuristic's, with the L2 width and wide tiles above) and its kernel variant
 inline std::pair<MegaMoEConfig, SM90MegaMoEVariant> select_sm90_mega_moe_variant(
         MmaType mma_type, int num_ranks, int num_experts, int num_topk, int hidden, int intermediate_hidden,
         int num_tokens, int num_sms, int max_smem_bytes, bool fast_math) {
     auto config = get_mega_moe_config(mma_type, num_ranks, num_experts, num_topk, hidden, intermediate_hidden,
                                       num_tokens, num_sms, max_smem_bytes);
     config.block_n_l2 = select_mega_moe_l2_block_n(config, hidden);
-    return {config, SM90MegaMoEVariant{mma_type, config.block_m, config.num_stages, fast_math, config.block_n_l2}};
+    config.wide_n_min = select_mega_moe_wide_n_min(config);
+    return {config, SM90MegaMoEVariant{mma_type, config.block_m, config.num_stages, fast_math, config.block_n_l2, config.wide_n_min}};
 }
 
 // Compile the variant a call with these arguments launches and, with `load`, load it into the

@@ -49,6 +49,14 @@ DG_HOST_DEVICE constexpr int mega_moe_block_k(MmaType t) { return 128 / activati
 DG_HOST_DEVICE constexpr bool mega_moe_l2_block_n_ok(int block_m, int block_n_l2) {
     return block_n_l2 == kMegaMoEBlockNL2 or (block_n_l2 == 2 * kMegaMoEBlockNL2 and block_m == 64);
 }
+// FP8 x FP4 decode kernels (BLOCK_M = 64) run M-blocks of more than 8 tokens as transposed wide tiles
+// of N = 16, 32 or 64 (the M-block's tokens rounded up); which N a kernel carries is a variant
+// (template argument kWideNMin, heuristics: wide_n_min): 64 (N = 64 only: the kernel for calls of a
+// few tokens per expert, whose narrow loops the smaller tiles' code slowed by 1 %), 32 or 16 (N from
+// 16 or 32 up to 64). Every other kernel: 64 (it runs no transposed tiles).
+DG_HOST_DEVICE constexpr bool mega_moe_wide_n_ok(MmaType t, int block_m, int wide_n_min) {
+    return wide_n_min == 64 or ((wide_n_min == 16 or wide_n_min == 32) and t == MmaType::kFP8xFP4 and block_m == 64);
+}
 // FP8 x FP4: a stage holds the packed E2M1 B tile (256 rows x 64 bytes per 128-wide K-block); the
 // math warpgroups expand it into an E4M3 tile outside the stages (mega_moe_expanded_b_tiles; narrow
 // tiles expand into registers instead), so a stage is 16 KB smaller than with FP8 weights

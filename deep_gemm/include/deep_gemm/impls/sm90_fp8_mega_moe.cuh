@@ -140,10 +140,12 @@ struct TensorMaps {
 
 // kL2BlockN: the L2 task width (mega_moe_params.cuh), a variant of its own so that the 128-wide
 // kernel carries no code of the 256-wide tasks (compiled in, they slowed it: docs/KERNEL.md)
-template <MmaType kMmaType, int BLOCK_M, int kNumStages, bool kFastMath, int kL2BlockN>
+// kWideNMin: the narrowest transposed wide tile (FP8 x FP4 decode; mega_moe_wide_n_ok), a variant too
+template <MmaType kMmaType, int BLOCK_M, int kNumStages, bool kFastMath, int kL2BlockN, int kWideNMin>
 struct Kernel {
     static_assert(BLOCK_M == 64 or BLOCK_M == 128, "one or two math warpgroups of 64 rows");
     static_assert(mega_moe_l2_block_n_ok(BLOCK_M, kL2BlockN), "L2 tasks: 128 wide, or 256 wide with BLOCK_M = 64");
+    static_assert(mega_moe_wide_n_ok(kMmaType, BLOCK_M, kWideNMin), "transposed tiles below N = 64: FP8 x FP4 decode only");
     static_assert(L::kMaxBlockM % BLOCK_M == 0 and BLOCK_M >= L::kMinBlockM, "pools are padded for kMinBlockM..kMaxBlockM");
     static_assert(kNumStages >= 2, "pipeline needs at least double buffering");
 
@@ -156,6 +158,7 @@ struct Kernel {
     // FP8 x FP4 decode: M-blocks of more than 8 tokens run transposed (weights as register A, tokens
     // as N = BLOCK_M; transposed_l1_mainloop), not as wide tiles over an expanded E4M3 tile
     static constexpr bool kTransposedWide = kFP4 and kSplitN;
+    static constexpr bool kWideN16 = kWideNMin <= 16, kWideN32 = kWideNMin <= 32;   // transposed tiles of N = 16 / 32 (else 64)
     static_assert(kSplitN == mega_moe_has_narrow_tiles(BLOCK_M), "the host builds the narrow A tensor maps by this rule");
     static constexpr int kNumThreads = 128 * (1 + kNumMathWGs);
     static constexpr int BLOCK_K = mega_moe_block_k(kMmaType);      // one 128-byte swizzle row
@@ -2022,14 +2025,17 @@ struct Kernel {
     // never reach a real token's sums, amax or output row. Accumulator i of a thread's 32 per
     // 64-row M tile (the m64n64 layout): weight row r0 + 8 ((i / 2) % 2) of the tile's 64, token
     // 8 (i / 4) + c0 + i % 2, i.e. this thread's token slot 2 (i / 4) + i % 2 of 16.
-    static constexpr int kWideAcc = BLOCK_M / 2;      // accumulators per M tile
-    static constexpr int kWideTokens = BLOCK_M / 4;   // tokens per thread
+    // kN: the tile's N, the M-block's tokens rounded up to 16, 32 or 64 (wide_n), so that the tensor
+    // work and the promotion follow the tokens; kN / 2 accumulators per M tile, kN / 4 tokens a thread
+    template <int kN>
+    using WideMma = std::conditional_t<kN == 16, mma::FP8MmaRegAN16, std::conditional_t<kN == 32, mma::FP8MmaRegAN32, mma::FP8MmaRegAN64>>;
     __device__ static constexpr int wide_slot(int i) { return 2 * (i / 4) + i % 2; }
     __device__ static int wide_row(const NarrowThread& nt, int i) { return nt.r0 + 8 * ((i / 2) % 2); }
     __device__ static int wide_token(const NarrowThread& nt, int k) { return 8 * (k / 2) + nt.c0 + k % 2; }   // slot k's token
-    __device__ void wide_token_sf(int s, const NarrowThread& nt, float (&sa)[kWideTokens]) const {
+    template <int kN>
+    __device__ void wide_token_sf(int s, const NarrowThread& nt, float (&sa)[(kN / 4)]) const {
         #pragma unroll
-        for (int g = 0; g < kWideTokens / 2; ++g) {
+        for (int g = 0; g < (kN / 4) / 2; ++g) {
             const uint2 v = ld_shared_v2(smem_addr(sm.stage_sf(s)) + (8 * g + nt.c0) * 4);
             sa[2 * g] = __uint_as_float(v.x), sa[2 * g + 1] = __uint_as_float(v.y);
         }
@@ -2040,12 +2046,12 @@ struct Kernel {
     // first's partials are promoted (`promote0`, which also reads the token scales) before the
     // second's wgmmas reuse them. Two sets in flight (32 more registers a thread) put values of the
     // whole math loop, the narrow tiles' too, in local memory. The caller releases the stage.
-    template <typename Promote0>
-    __device__ static void wide_fp4_k_block_pair(const FP4Rows& r0, const FP4Rows& r1, uint64_t dt, float (&part)[kWideAcc], uint32_t table,
+    template <int kN, typename Promote0>
+    __device__ static void wide_fp4_k_block_pair(const FP4Rows& r0, const FP4Rows& r1, uint64_t dt, float (&part)[(kN / 2)], uint32_t table,
                                                  Promote0&& promote0) {
         FP4Fragments a0, a1;
         mma::fence_operands(part);
-        narrow_fp4_k_block<mma::FP8MmaRegAN64>(r0, a0, dt, part, table);
+        narrow_fp4_k_block<WideMma<kN>>(r0, a0, dt, part, table);
         mma::warpgroup_commit();
         narrow_fp4_expand(r1, a1, table);
         mma::warpgroup_wait<0>();
@@ -2053,7 +2059,7 @@ struct Kernel {
         mma::fence_fragments(a0);
         promote0();
         mma::warpgroup_arrive();
-        mma::FP8MmaRegAN64::fma_k_block(a1, dt, part, false);
+        WideMma<kN>::fma_k_block(a1, dt, part, false);
         mma::warpgroup_commit();
         mma::warpgroup_wait<0>();
         mma::fence_operands(part);
@@ -2061,28 +2067,29 @@ struct Kernel {
     }
 
     // L1: gate and up of this warpgroup's 64 rows (as narrow_l1_mainloop), all of H's K-blocks
-    __device__ bool transposed_l1_mainloop(uint32_t& stage_iter, const MathThread& mt, float (&gate)[kWideAcc], float (&up)[kWideAcc]) {
+    template <int kN>
+    __device__ bool transposed_l1_mainloop(uint32_t& stage_iter, const MathThread& mt, float (&gate)[(kN / 2)], float (&up)[(kN / 2)]) {
         const NarrowThread nt(mt);
         const int num_kb = lay.hidden / BLOCK_K;
         const uint32_t table = opaque_u32(smem_addr(sm.fp4_table));   // once per task
         #pragma unroll
-        for (int i = 0; i < kWideAcc; ++i) gate[i] = up[i] = 0.0f;
+        for (int i = 0; i < (kN / 2); ++i) gate[i] = up[i] = 0.0f;
         for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
             if (not wait_full_l1(kb, stage_iter, mt)) return false;
             const int s = stage_iter % kNumStages;
             const uint64_t dt = mma::make_k_major_sw128_desc(sm.stage_a(s));
             const float sg = sm.weight_sf(s, 0), su = sm.weight_sf(s, 1);
-            float sa[kWideTokens], part[kWideAcc];
+            float sa[(kN / 4)], part[(kN / 2)];
             FP4Rows rg, ru;
             narrow_fp4_load(s, mt.wg * 64, mt, rg, table), narrow_fp4_load(s, 128 + mt.wg * 64, mt, ru, table);
-            wide_fp4_k_block_pair(rg, ru, dt, part, table, [&] {
-                wide_token_sf(s, nt, sa);
+            wide_fp4_k_block_pair<kN>(rg, ru, dt, part, table, [&] {
+                wide_token_sf<kN>(s, nt, sa);
                 #pragma unroll
-                for (int i = 0; i < kWideAcc; ++i) gate[i] += part[i] * (sa[wide_slot(i)] * sg);
+                for (int i = 0; i < (kN / 2); ++i) gate[i] += part[i] * (sa[wide_slot(i)] * sg);
             });
             release_stage(stage_iter, mt);
             #pragma unroll
-            for (int i = 0; i < kWideAcc; ++i) up[i] += part[i] * (sa[wide_slot(i)] * su);
+            for (int i = 0; i < (kN / 2); ++i) up[i] += part[i] * (sa[wide_slot(i)] * su);
         }
         return true;
     }
@@ -2091,29 +2098,30 @@ struct Kernel {
     // latency under the SwiGLU of the 32 accumulator pairs; held across the K-loop they cost it
     // local memory), each token's amax over the block's 128 columns exchanged as [token][math warp]
     // in bytes 128.. of the token's staging row (its FP8 values take bytes 0..127)
-    __device__ void transposed_l1_epilogue(int m, int j, int num_rows, const MathThread& mt, const float (&gate)[kWideAcc],
-                                           const float (&up)[kWideAcc]) {
+    template <int kN>
+    __device__ void transposed_l1_epilogue(int m, int j, int num_rows, const MathThread& mt, const float (&gate)[(kN / 2)],
+                                           const float (&up)[(kN / 2)]) {
         const NarrowThread nt(mt);
         const float clamp = p.activation_clamp;
         uint8_t* tile = sm.epilogue;    // row t: token t's 128 columns of the block
-        float tok_w[kWideTokens], act[kWideAcc], amax[kWideTokens];
+        float tok_w[(kN / 4)], act[(kN / 2)], amax[(kN / 4)];
         const float* src = narrow_token_weights(m, nt);
         #pragma unroll
-        for (int k = 0; k < kWideTokens; ++k) tok_w[k] = __ldcg(src + wide_token(nt, k) - nt.c0), amax[k] = 0.0f;
+        for (int k = 0; k < (kN / 4); ++k) tok_w[k] = __ldcg(src + wide_token(nt, k) - nt.c0), amax[k] = 0.0f;
         #pragma unroll
-        for (int i = 0; i < kWideAcc; ++i) {
+        for (int i = 0; i < (kN / 2); ++i) {
             const float gt = fminf(gate[i], clamp);
             const float u = fminf(fmaxf(up[i], -clamp), clamp);
             act[i] = silu<kFastMath>(gt) * u;   // then x w: (silu x u) x w, the narrow tile's order
         }
         #pragma unroll
-        for (int i = 0; i < kWideAcc; ++i) {
+        for (int i = 0; i < (kN / 2); ++i) {
             act[i] *= tok_w[wide_slot(i)];
             amax[wide_slot(i)] = fmaxf(amax[wide_slot(i)], fabsf(act[i]));
         }
         // lanes of equal lane % 4 hold the same tokens
         #pragma unroll
-        for (int k = 0; k < kWideTokens; ++k)
+        for (int k = 0; k < (kN / 4); ++k)
             #pragma unroll
             for (int d = 4; d < 32; d *= 2) amax[k] = fmaxf(amax[k], __shfl_xor_sync(0xffffffff, amax[k], d));
         constexpr int kXchg = 128;
@@ -2123,29 +2131,29 @@ struct Kernel {
         const uint32_t xchg = smem_addr(tile) + kXchg;
         if (mt.lane < 4) {
             #pragma unroll
-            for (int k = 0; k < kWideTokens; ++k) st_shared_f32(xchg + wide_token(nt, k) * kMegaMoEEpilogueRowBytes + (mt.wg * 4 + mt.warp) * 4, amax[k]);
+            for (int k = 0; k < (kN / 4); ++k) st_shared_f32(xchg + wide_token(nt, k) * kMegaMoEEpilogueRowBytes + (mt.wg * 4 + mt.warp) * 4, amax[k]);
         }
         named_barrier(kBarrierMathAll, kNumMathThreads);
         #pragma unroll
-        for (int k = 0; k < kWideTokens; ++k) {
+        for (int k = 0; k < (kN / 4); ++k) {
             const uint4 a = ld_shared_v4(xchg + wide_token(nt, k) * kMegaMoEEpilogueRowBytes);
             const uint4 b = ld_shared_v4(xchg + wide_token(nt, k) * kMegaMoEEpilogueRowBytes + 16);
             amax[k] = fmaxf(fmaxf(fmaxf(__uint_as_float(a.x), __uint_as_float(a.y)), fmaxf(__uint_as_float(a.z), __uint_as_float(a.w))),
                             fmaxf(fmaxf(__uint_as_float(b.x), __uint_as_float(b.y)), fmaxf(__uint_as_float(b.z), __uint_as_float(b.w))));
         }
         // Correctly rounded divisions, as the wide tile (bit-identical to per_token_cast_to_fp8)
-        float a[kWideTokens], inv[kWideTokens];
+        float a[(kN / 4)], inv[(kN / 4)];
         #pragma unroll
-        for (int k = 0; k < kWideTokens; ++k) a[k] = fmaxf(amax[k], 1e-10f), inv[k] = __fdiv_rn(448.0f, a[k]);
+        for (int k = 0; k < (kN / 4); ++k) a[k] = fmaxf(amax[k], 1e-10f), inv[k] = __fdiv_rn(448.0f, a[k]);
         const int col = mt.wg * 64;     // this warpgroup's first column of the block
         #pragma unroll
-        for (int i = 0; i < kWideAcc; ++i) {
+        for (int i = 0; i < (kN / 2); ++i) {
             const __nv_fp8_storage_t q = __nv_cvt_float_to_fp8(act[i] * inv[wide_slot(i)], __NV_SATFINITE, __NV_E4M3);
             tile[(8 * (i / 4) + nt.c0 + i % 2) * kMegaMoEEpilogueRowBytes + col + wide_row(nt, i)] = q;
         }
         if (mt.wg == 0 and mt.warp == 0 and mt.lane < 4) {
             #pragma unroll
-            for (int k = 0; k < kWideTokens; ++k)
+            for (int k = 0; k < (kN / 4); ++k)
                 if (wide_token(nt, k) < num_rows)
                     mine<float>(lay.l2_sf)[static_cast<int64_t>(j) * lay.num_pool_rows + static_cast<int64_t>(m) * BLOCK_M + wide_token(nt, k)] =
                         __fdiv_rn(a[k], 448.0f);
@@ -2167,42 +2175,43 @@ struct Kernel {
     }
 
     // L2 (as narrow_l2_mainloop): warpgroup w's kL2Tiles 64-row M tiles of the B tile
-    __device__ bool transposed_l2_mainloop(uint32_t& stage_iter, const MathThread& mt, float (&acc)[kWideAcc * kL2Tiles]) {
+    template <int kN>
+    __device__ bool transposed_l2_mainloop(uint32_t& stage_iter, const MathThread& mt, float (&acc)[(kN / 2) * kL2Tiles]) {
         const NarrowThread nt(mt);
         const int num_kb = lay.intermediate_hidden / BLOCK_K;
         const uint32_t table = opaque_u32(smem_addr(sm.fp4_table));   // once per task
         #pragma unroll
-        for (int i = 0; i < kWideAcc * kL2Tiles; ++i) acc[i] = 0.0f;
+        for (int i = 0; i < (kN / 2) * kL2Tiles; ++i) acc[i] = 0.0f;
         for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
             if (not wait_full(stage_iter)) return false;
             const int s = stage_iter % kNumStages;
             const uint64_t dt = mma::make_k_major_sw128_desc(sm.stage_a(s));
             const float sb = sm.weight_sf(s, kL2Tiles == 2 ? mt.wg : 0);
-            float sa[kWideTokens], part[kWideAcc];
+            float sa[(kN / 4)], part[(kN / 2)];
             FP4Rows r0, r1;
             narrow_fp4_load(s, mt.wg * kL2Tiles * 64, mt, r0, table);
             if constexpr (kL2Tiles == 2) {
                 narrow_fp4_load(s, mt.wg * kL2Tiles * 64 + 64, mt, r1, table);
-                wide_fp4_k_block_pair(r0, r1, dt, part, table, [&] {
-                    wide_token_sf(s, nt, sa);
+                wide_fp4_k_block_pair<kN>(r0, r1, dt, part, table, [&] {
+                    wide_token_sf<kN>(s, nt, sa);
                     #pragma unroll
-                    for (int i = 0; i < kWideAcc; ++i) acc[i] += part[i] * (sa[wide_slot(i)] * sb);
+                    for (int i = 0; i < (kN / 2); ++i) acc[i] += part[i] * (sa[wide_slot(i)] * sb);
                 });
                 release_stage(stage_iter, mt);
                 #pragma unroll
-                for (int i = 0; i < kWideAcc; ++i) acc[kWideAcc + i] += part[i] * (sa[wide_slot(i)] * sb);
+                for (int i = 0; i < (kN / 2); ++i) acc[(kN / 2) + i] += part[i] * (sa[wide_slot(i)] * sb);
             } else {
                 FP4Fragments a0;
                 mma::fence_operands(part);
-                narrow_fp4_k_block<mma::FP8MmaRegAN64>(r0, a0, dt, part, table);
+                narrow_fp4_k_block<WideMma<kN>>(r0, a0, dt, part, table);
                 mma::warpgroup_commit();
                 mma::warpgroup_wait<0>();
                 mma::fence_operands(part);
                 mma::fence_fragments(a0);
-                wide_token_sf(s, nt, sa);
+                wide_token_sf<kN>(s, nt, sa);
                 release_stage(stage_iter, mt);
                 #pragma unroll
-                for (int i = 0; i < kWideAcc; ++i) acc[i] += part[i] * (sa[wide_slot(i)] * sb);
+                for (int i = 0; i < (kN / 2); ++i) acc[i] += part[i] * (sa[wide_slot(i)] * sb);
             }
         }
         return true;
@@ -2210,7 +2219,8 @@ struct Kernel {
 
     // L2 epilogue (as narrow_l2_epilogue, for 64 token rows): staged in the expanded tile, which no
     // loop of these kernels reads, and the epilogue tile after it (64 rows of 256 columns: 33 KB)
-    __device__ void transposed_l2_epilogue(int m, int j, int num_rows, const MathThread& mt, const float (&acc)[kWideAcc * kL2Tiles]) {
+    template <int kN>
+    __device__ void transposed_l2_epilogue(int m, int j, int num_rows, const MathThread& mt, const float (&acc)[(kN / 2) * kL2Tiles]) {
         const NarrowThread nt(mt);
         constexpr int kRowBytes = kL2BlockN * 2 + 16;
         static_assert(not kEpilogueInExpanded and
@@ -2221,9 +2231,9 @@ struct Kernel {
         #pragma unroll
         for (int t = 0; t < kL2Tiles; ++t)
             #pragma unroll
-            for (int i = 0; i < kWideAcc; ++i)
+            for (int i = 0; i < (kN / 2); ++i)
                 *reinterpret_cast<__nv_bfloat16*>(tile + (8 * (i / 4) + nt.c0 + i % 2) * kRowBytes + (col + t * 64 + wide_row(nt, i)) * 2) =
-                    __float2bfloat16_rn(acc[kWideAcc * t + i]);
+                    __float2bfloat16_rn(acc[(kN / 2) * t + i]);
         named_barrier(kBarrierMathBase + mt.wg, 128);
         constexpr int kChunks = kL2Tiles * 64 * 2 / 16;
         const int n_max = lay.num_max_tokens_per_rank, topk = lay.num_topk;
@@ -2403,11 +2413,21 @@ struct Kernel {
                     // split-K: only the tile's last finisher (sum of all parts) runs the epilogue
                     if (tasks.l1_split == 1 or split_l1_exchange(tile, idx % tasks.l1_split, tasks.l1_split, mt, gate, up))
                         narrow_l1_epilogue(m, j, rows, mt, gate, up, tok_w);
-                } else if constexpr (kTransposedWide) {
-                    // Never split (as the wide loop below): all of H's K-blocks
-                    float gate[kWideAcc], up[kWideAcc];
-                    if (not transposed_l1_mainloop(stage_iter, mt, gate, up) or task_stages_dead(stage_iter)) break;
-                    transposed_l1_epilogue(m, j, rows, mt, gate, up);
+                } else if constexpr (kTransposedWide and (kWideN16 or kWideN32)) {
+                    // Never split (as the wide loop below): all of H's K-blocks; N by the tokens
+                    const auto run = [&](auto n) {
+                        constexpr int kN = decltype(n)::value;
+                        float gate[kN / 2], up[kN / 2];
+                        if (not transposed_l1_mainloop<kN>(stage_iter, mt, gate, up) or task_stages_dead(stage_iter)) return false;
+                        transposed_l1_epilogue<kN>(m, j, rows, mt, gate, up);
+                        return true;
+                    };
+                    if (not (rows <= 16 and kWideN16 ? run(std::integral_constant<int, 16>{})
+                             : rows <= 32 and kWideN32 ? run(std::integral_constant<int, 32>{}) : run(std::integral_constant<int, 64>{}))) break;
+                } else if constexpr (kTransposedWide) {   // N = 64 only (the lambda above changes this kernel's SASS)
+                    float gate[32], up[32];
+                    if (not transposed_l1_mainloop<64>(stage_iter, mt, gate, up) or task_stages_dead(stage_iter)) break;
+                    transposed_l1_epilogue<64>(m, j, rows, mt, gate, up);
                 } else {
                     // Never split (l1_split > 1 only when every tile is narrow: max_tokens <= kNarrowRows
                     // in build_layout); the wide loop runs all of H's K-blocks, as the producer streams them
@@ -2425,10 +2445,20 @@ struct Kernel {
                     float narrow_acc[4 * kL2Tiles];
                     if (not narrow_l2_mainloop(stage_iter, mt, narrow_acc) or task_stages_dead(stage_iter)) break;
                     narrow_l2_epilogue(m, j, rows, mt, narrow_acc);
-                } else if constexpr (kTransposedWide) {   // one pass over the task's B rows, as a narrow tile (scheduler)
-                    float wide_acc[kWideAcc * kL2Tiles];
-                    if (not transposed_l2_mainloop(stage_iter, mt, wide_acc) or task_stages_dead(stage_iter)) break;
-                    transposed_l2_epilogue(m, j, rows, mt, wide_acc);
+                } else if constexpr (kTransposedWide and (kWideN16 or kWideN32)) {   // one pass over the task's B rows, as a narrow tile (scheduler)
+                    const auto run = [&](auto n) {
+                        constexpr int kN = decltype(n)::value;
+                        float wide_acc[kN / 2 * kL2Tiles];
+                        if (not transposed_l2_mainloop<kN>(stage_iter, mt, wide_acc) or task_stages_dead(stage_iter)) return false;
+                        transposed_l2_epilogue<kN>(m, j, rows, mt, wide_acc);
+                        return true;
+                    };
+                    if (not (rows <= 16 and kWideN16 ? run(std::integral_constant<int, 16>{})
+                             : rows <= 32 and kWideN32 ? run(std::integral_constant<int, 32>{}) : run(std::integral_constant<int, 64>{}))) break;
+                } else if constexpr (kTransposedWide) {
+                    float wide_acc[32 * kL2Tiles];
+                    if (not transposed_l2_mainloop<64>(stage_iter, mt, wide_acc) or task_stages_dead(stage_iter)) break;
+                    transposed_l2_epilogue<64>(m, j, rows, mt, wide_acc);
                 } else if constexpr (kL2Tiles == 1) {
                     if (not l2_mainloop(stage_iter, mt, acc) or task_stages_dead(stage_iter)) break;
                     epilogue_tile_free();
@@ -2577,8 +2607,8 @@ struct Kernel {
 }  // namespace deep_gemm::sm90_mega_moe
 
 // The JIT runtime instantiates this with the config chosen by the heuristics
-#define DG_DEFINE_SM90_MEGA_MOE_KERNEL(NAME, MMA_TYPE, BLOCK_M, NUM_STAGES, FAST_MATH, L2_BLOCK_N)                    \
-    extern "C" __global__ void __launch_bounds__(deep_gemm::sm90_mega_moe::Kernel<MMA_TYPE, BLOCK_M, NUM_STAGES, FAST_MATH, L2_BLOCK_N>::kNumThreads, 1) \
+#define DG_DEFINE_SM90_MEGA_MOE_KERNEL(NAME, MMA_TYPE, BLOCK_M, NUM_STAGES, FAST_MATH, L2_BLOCK_N, WIDE_N_MIN)        \
+    extern "C" __global__ void __launch_bounds__(deep_gemm::sm90_mega_moe::Kernel<MMA_TYPE, BLOCK_M, NUM_STAGES, FAST_MATH, L2_BLOCK_N, WIDE_N_MIN>::kNumThreads, 1) \
     NAME(const __grid_constant__ deep_gemm::MegaMoEParams params, const __grid_constant__ CUtensorMap tm_l1_act,       \
          const __grid_constant__ CUtensorMap tm_l1_w, const __grid_constant__ CUtensorMap tm_l2_act,                   \
          const __grid_constant__ CUtensorMap tm_l2_w, const __grid_constant__ CUtensorMap tm_l1_act_narrow,            \
@@ -2586,7 +2616,7 @@ struct Kernel {
          const __grid_constant__ CUtensorMap tm_l1_d_pair, const __grid_constant__ CUtensorMap tm_l2_d_pair) {        \
         extern __shared__ __align__(1024) uint8_t dg_smem[];                                                          \
         auto* base = reinterpret_cast<uint8_t*>(deep_gemm::align_up<uintptr_t>(reinterpret_cast<uintptr_t>(dg_smem), 1024)); \
-        deep_gemm::sm90_mega_moe::Kernel<MMA_TYPE, BLOCK_M, NUM_STAGES, FAST_MATH, L2_BLOCK_N> kernel(params, base);              \
+        deep_gemm::sm90_mega_moe::Kernel<MMA_TYPE, BLOCK_M, NUM_STAGES, FAST_MATH, L2_BLOCK_N, WIDE_N_MIN> kernel(params, base);  \
         kernel.run({&tm_l1_act, &tm_l1_w, &tm_l2_act, &tm_l2_w, &tm_l1_act_narrow, &tm_l2_act_narrow, &tm_l2_w_pair,  \
                     &tm_l1_d_pair, &tm_l2_d_pair});                                                                    \
     }

@@ -110,6 +110,8 @@ __device__ __forceinline__ void fence_fragments(uint32_t (&a)[M][N]) {
 using FP8MmaN8 = WgmmaSS<cute::SM90::GMMA::MMA_64x8x32_F32E4M3E4M3_SS_TN<>, 4>;
 using FP8MmaRegAN8 = WgmmaRS<cute::SM90::GMMA::MMA_64x8x32_F32E4M3E4M3_RS_TN<>, 4>;
 using FP8MmaN64 = WgmmaSS<cute::SM90::GMMA::MMA_64x64x32_F32E4M3E4M3_SS_TN<>, 32>;
+using FP8MmaRegAN16 = WgmmaRS<cute::SM90::GMMA::MMA_64x16x32_F32E4M3E4M3_RS_TN<>, 8>;
+using FP8MmaRegAN32 = WgmmaRS<cute::SM90::GMMA::MMA_64x32x32_F32E4M3E4M3_RS_TN<>, 16>;
 using FP8MmaRegAN64 = WgmmaRS<cute::SM90::GMMA::MMA_64x64x32_F32E4M3E4M3_RS_TN<>, 32>;
 using FP8MmaN128 = WgmmaSS<cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_SS_TN<>, 64>;
 using BF16MmaN8 = WgmmaSS<cute::SM90::GMMA::MMA_64x8x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>, 4>;
