@@ -1,11 +1,15 @@
 """One small Mega MoE launch, for debuggers and sanitizers (cuda-gdb, compute-sanitizer).
 
     python scripts/one_launch.py [--bad-ids] [--sms N] [--ranks R] [--format fp8xfp8|bf16xbf16|fp8xfp4] [--tokens n]
+                                 [--shape small|mid] [--experts-allowed A]
 
 --bad-ids puts out-of-range expert ids (too large, -2) into the routing: the kernel must flag them
 and never use them as an index (run under `compute-sanitizer --tool memcheck`). --tokens 8 gives
 M-blocks of 1-4 tokens (the narrow decode tiles); the default 48, about 12 (the wide ones);
 --tokens 1024 prefill tiles (BLOCK_M 128: the count in slices, the combine through shared memory).
+--shape mid (2048/768/128/8; default small, 512/256/16/4) with --tokens 128 --format fp8xfp4 runs the
+FP8 x FP4 decode kernel with 256-wide L2 tasks and N = 16 / 32 / 64 transposed tiles; --experts-allowed
+A routes every token to A of the experts (larger M-blocks).
 """
 import argparse
 
@@ -21,15 +25,17 @@ parser.add_argument('--sms', type=int, default=8, help='CTAs per rank (sanitizer
 parser.add_argument('--ranks', type=int, default=1)
 parser.add_argument('--format', default='fp8xfp8')
 parser.add_argument('--tokens', type=int, default=48, help='tokens per rank')
+parser.add_argument('--shape', choices=('small', 'mid'), default='small')
+parser.add_argument('--experts-allowed', type=int, default=None, help='route to the first A experts only')
 args = parser.parse_args()
 
-fmt, (h, i, e, k) = args.format, (512, 256, 16, 4)
+fmt, (h, i, e, k) = args.format, {'small': (512, 256, 16, 4), 'mid': (2048, 768, 128, 8)}[args.shape]
 ns = [args.tokens] * args.ranks
 w = mc.make_weights(fmt, h, i, e, args.ranks, seed=0)
 bufs = mc.make_buffers(fmt, args.ranks, e, max(ns), k, h, i)
 for b in bufs:
     b.num_sms = args.sms
-inputs = mc.make_inputs(fmt, ns, h, e, k, seed=1)
+inputs = mc.make_inputs(fmt, ns, h, e, k, seed=1, experts_allowed=args.experts_allowed)
 expected = inputs
 if args.bad_ids:
     bad = [mc.RankInputs(x.x, x.x_q, x.x_sf, x.topk_idx.clone(), x.topk_weights) for x in inputs]

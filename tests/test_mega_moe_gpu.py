@@ -116,6 +116,18 @@ def test_odd_k_block_counts_split_k_and_256_wide_l2(mma_type, n):
     check_case(mma_type, *ODD_256, [n], seed=17)
 
 
+# FP8 x FP4 decode, the kernel with transposed tiles of N = 16 / 32 / 64 and 256-wide L2 tasks (mid at
+# n = 128 launches it: 8 tokens per expert): M-blocks of ~8 (all experts), ~26 (40 experts) and ~51
+# tokens (20 experts), so that its L2 tasks of every N run (each one 256-row pass over two M tiles
+# a warpgroup) next to narrow ones
+@pytest.mark.parametrize('seed, experts_allowed', [(31, None), (32, 40), (33, 20)])
+def test_fp4_transposed_tiles_256_wide_l2(seed, experts_allowed):
+    hidden, inter, experts, topk = MID
+    v = kernel_variant('fp8xfp4', 1, experts, topk, hidden, inter, 128, _C.get_num_sms(), _max_smem(torch.device('cuda')))
+    assert (v[1], v[4], v[5]) == (64, 256, 16), f'{v}: the case no longer covers what it says'
+    check_case('fp8xfp4', *MID, [128], seed=seed, experts_allowed=experts_allowed)
+
+
 # Prefill combines (BLOCK_M 128) bring y's top-k rows through shared memory in batches of 128
 # chunks x 8 top-k planes (combine_bulk): top-k 12 takes two plane batches per chunk group (the sums
 # carried between them), hidden 640 (80 chunks per token) makes batches straddle tokens, and the

@@ -140,7 +140,8 @@ inline MegaMoEConfig get_mega_moe_config(MmaType mma_type, int num_ranks, int nu
     // activations), and the largest B tile (L1: 256 rows x 128 bytes; L2's 128-row tile fits in it,
     // and so does BF16's 256 x 64 x 2 B; FP4 stages the packed tile, 256 x 64 B, and its exponent
     // deltas instead) with its weight block scales (FP8 activations: 16 bytes). Fixed: FP4's expanded
-    // E4M3 B tiles (decode one, prefill two, which also hold the epilogue tile), the epilogue
+    // E4M3 B tiles (prefill two, which also hold the epilogue tile; decode one, which with the
+    // epilogue tile after it stages the transposed wide tiles' L2 rows), the epilogue
     // staging tile elsewhere (L2's padded BF16 block_m x 128), the
     // barriers / scheduler tables, and 1024 bytes to re-align the dynamic shared-memory base for
     // the 128B-swizzled tiles ("other" below: all fixed bytes but the epilogue).

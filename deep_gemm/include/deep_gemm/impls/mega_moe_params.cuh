@@ -58,8 +58,8 @@ DG_HOST_DEVICE constexpr bool mega_moe_wide_n_ok(MmaType t, int block_m, int wid
     return wide_n_min == 64 or ((wide_n_min == 16 or wide_n_min == 32) and t == MmaType::kFP8xFP4 and block_m == 64);
 }
 // FP8 x FP4: a stage holds the packed E2M1 B tile (256 rows x 64 bytes per 128-wide K-block); the
-// math warpgroups expand it into an E4M3 tile outside the stages (mega_moe_expanded_b_tiles; narrow
-// tiles expand into registers instead), so a stage is 16 KB smaller than with FP8 weights
+// math warpgroups expand it into registers (decode: wgmma A fragments) or, at prefill, into an E4M3
+// tile outside the stages (mega_moe_expanded_b_tiles), so a stage is 16 KB smaller than with FP8 weights
 constexpr int kMegaMoEPackedRowBytes = 64;
 // FP4 packed codes of one row and 128-wide K-block (transform_weights_for_mega_moe): the 64 bytes are
 // permuted so that the codes of one thread's wgmma A fragments (K step ks = 0..3, quad lane
