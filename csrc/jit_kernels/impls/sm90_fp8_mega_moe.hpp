@@ -271,8 +271,16 @@ inline MegaMoEConfig launch_sm90_mega_moe(const SM90MegaMoEArgs& a) {
     CUtensorMap tm_l2_act_narrow =
         narrow ? make_kmajor_tma(own + lay.l2_act.offset, dtype, i, rows, bk, kMegaMoENarrowRows, i * act) : tm_l2_act;
 
+    // Transposed wide tiles of N = 16 / 32 (wide_n_min < 64) read that many rows of the A tile: boxes
+    // of 16 and 32 rows; other kernels get the full-box maps (no extra encodes)
+    const auto box = [&](int n, bool l1) {
+        return config.wide_n_min <= n ? (l1 ? make_kmajor_tma(own + lay.l1_act.offset, dtype, h, rows, bk, n, h * act)
+                                            : make_kmajor_tma(own + lay.l2_act.offset, dtype, i, rows, bk, n, i * act))
+                                      : (l1 ? tm_l1_act : tm_l2_act);
+    };
+    CUtensorMap tm_l1_act_16 = box(16, true), tm_l2_act_16 = box(16, false), tm_l1_act_32 = box(32, true), tm_l2_act_32 = box(32, false);
     void* args[] = {&params, &tm_l1_act, &tm_l1_w, &tm_l2_act, &tm_l2_w, &tm_l1_act_narrow, &tm_l2_act_narrow,
-                    &tm_l2_w_pair, &tm_l1_d_pair, &tm_l2_d_pair};
+                    &tm_l2_w_pair, &tm_l1_d_pair, &tm_l2_d_pair, &tm_l1_act_16, &tm_l2_act_16, &tm_l1_act_32, &tm_l2_act_32};
     jit::LaunchConfig launch_config;
     launch_config.grid = {static_cast<uint32_t>(config.num_sms), 1, 1};
     launch_config.block = {static_cast<uint32_t>(config.num_threads), 1, 1};

@@ -136,6 +136,9 @@ __device__ __forceinline__ float silu(float g) {
 // box each (other formats get placeholders they never read)
 struct TensorMaps {
     const CUtensorMap *l1_act, *l1_w, *l2_act, *l2_w, *l1_act_narrow, *l2_act_narrow, *l2_w_pair, *l1_d_pair, *l2_d_pair;
+    // 16- and 32-row boxes of the activation pools: the A tiles of transposed wide tiles of N = 16 / 32
+    // (kernels with wide_n_min < 64; others get the full-box maps and never read these)
+    const CUtensorMap *l1_act_16, *l2_act_16, *l1_act_32, *l2_act_32;
 };
 
 // kL2BlockN: the L2 task width (mega_moe_params.cuh), a variant of its own so that the 128-wide
@@ -906,6 +909,7 @@ struct Kernel {
         const auto* arrival = mine<uint32_t>(lay.mblock_arrival);
         const auto* l1_done = mine<uint32_t>(lay.mblock_l1_done);
         bool is_l1 = false, narrow = false;
+        [[maybe_unused]] int a_rows = BLOCK_M;   // N = 16 / 32 transposed tiles: the A box's rows (16, 32, or BLOCK_M)
         int m = 0;
         int kb0 = 0;    // the task's first K-block (split-K L1 part q of s: q x num_kb / s)
         // A stage's bytes are expected when it is claimed (B may be streamed before the task's inputs
@@ -918,6 +922,10 @@ struct Kernel {
             // A narrow tile's math reads rows 0 .. kNarrowRows - 1 only: a box of those rows (the
             // same bytes, same swizzle) instead of BLOCK_M rows, 7/8 less per stage to bring in
             const CUtensorMap* tm_act = is_l1 ? (narrow ? tm.l1_act_narrow : tm.l1_act) : (narrow ? tm.l2_act_narrow : tm.l2_act);
+            if constexpr (kWideN16 or kWideN32) {   // a transposed tile of N = 16 / 32 reads that many rows
+                if (a_rows == 16) tm_act = is_l1 ? tm.l1_act_16 : tm.l2_act_16;
+                if (a_rows == 32) tm_act = is_l1 ? tm.l1_act_32 : tm.l2_act_32;
+            }
             tma_load_2d(sm.stage_a(s), tm_act, sm.full + s, kb * BLOCK_K, m * BLOCK_M);
             if constexpr (kStageSfBytes > 0) {
                 // the M-block's activation scales of this K-block: BLOCK_M contiguous floats (pool is M-major)
@@ -984,7 +992,13 @@ struct Kernel {
             // helper: a helper reorders the SASS of the BLOCK_M = 64 kernels (measured on the CPU),
             // which would need a GPU A/B to land
             narrow = kSplitN and valid_rows(m, le) <= kNarrowRows;
-            const uint32_t stage_bytes = (narrow ? kNarrowABytes : kABytes) + kStageSfBytes + b_bytes;
+            uint32_t a_bytes = narrow ? kNarrowABytes : kABytes;
+            if constexpr (kWideN16 or kWideN32) {   // the math's choice of N (math(): the same rule)
+                const int rows = valid_rows(m, le);
+                a_rows = narrow ? kNarrowRows : kWideN16 and rows <= 16 ? 16 : kWideN32 and rows <= 32 ? 32 : BLOCK_M;
+                a_bytes = static_cast<uint32_t>(a_rows) * 128;
+            }
+            const uint32_t stage_bytes = a_bytes + kStageSfBytes + b_bytes;
             const CUtensorMap* tm_w = is_l1 ? tm_l1_w : tm_l2_w;
             // FP4 packed codes and deltas: one block each per (128-row block, K-block), the blocks of a
             // row block K-major; block0 = the pass's first row block at K-block 0
@@ -2526,6 +2540,8 @@ struct Kernel {
             prefetch_tma_descriptor(tm.l1_act), prefetch_tma_descriptor(tm.l1_w);
             prefetch_tma_descriptor(tm.l2_act), prefetch_tma_descriptor(tm.l2_w);
             if constexpr (kSplitN) prefetch_tma_descriptor(tm.l1_act_narrow), prefetch_tma_descriptor(tm.l2_act_narrow);
+            if constexpr (kWideN16) prefetch_tma_descriptor(tm.l1_act_16), prefetch_tma_descriptor(tm.l2_act_16);
+            if constexpr (kWideN32) prefetch_tma_descriptor(tm.l1_act_32), prefetch_tma_descriptor(tm.l2_act_32);
         }
         __syncthreads();
         epoch = ctrl->epoch;
@@ -2613,10 +2629,12 @@ struct Kernel {
          const __grid_constant__ CUtensorMap tm_l1_w, const __grid_constant__ CUtensorMap tm_l2_act,                   \
          const __grid_constant__ CUtensorMap tm_l2_w, const __grid_constant__ CUtensorMap tm_l1_act_narrow,            \
          const __grid_constant__ CUtensorMap tm_l2_act_narrow, const __grid_constant__ CUtensorMap tm_l2_w_pair,       \
-         const __grid_constant__ CUtensorMap tm_l1_d_pair, const __grid_constant__ CUtensorMap tm_l2_d_pair) {        \
+         const __grid_constant__ CUtensorMap tm_l1_d_pair, const __grid_constant__ CUtensorMap tm_l2_d_pair,          \
+         const __grid_constant__ CUtensorMap tm_l1_act_16, const __grid_constant__ CUtensorMap tm_l2_act_16,          \
+         const __grid_constant__ CUtensorMap tm_l1_act_32, const __grid_constant__ CUtensorMap tm_l2_act_32) {        \
         extern __shared__ __align__(1024) uint8_t dg_smem[];                                                          \
         auto* base = reinterpret_cast<uint8_t*>(deep_gemm::align_up<uintptr_t>(reinterpret_cast<uintptr_t>(dg_smem), 1024)); \
         deep_gemm::sm90_mega_moe::Kernel<MMA_TYPE, BLOCK_M, NUM_STAGES, FAST_MATH, L2_BLOCK_N, WIDE_N_MIN> kernel(params, base);  \
         kernel.run({&tm_l1_act, &tm_l1_w, &tm_l2_act, &tm_l2_w, &tm_l1_act_narrow, &tm_l2_act_narrow, &tm_l2_w_pair,  \
-                    &tm_l1_d_pair, &tm_l2_d_pair});                                                                    \
+                    &tm_l1_d_pair, &tm_l2_d_pair, &tm_l1_act_16, &tm_l2_act_16, &tm_l1_act_32, &tm_l2_act_32});          \
     }
