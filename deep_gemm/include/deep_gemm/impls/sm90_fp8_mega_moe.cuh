@@ -2060,23 +2060,36 @@ struct Kernel {
     // first's partials are promoted (`promote0`, which also reads the token scales) before the
     // second's wgmmas reuse them. Two sets in flight (32 more registers a thread) put values of the
     // whole math loop, the narrow tiles' too, in local memory. The caller releases the stage.
+    // N = 16 / 32 (kN / 2 registers a set) keep two sets in flight: the second M tile's wgmmas are
+    // issued before the first's promotion (wait_group 1), which then runs under them. N = 64 passes
+    // the same array twice: one set, the second M tile's wgmmas after the first's promotion.
     template <int kN, typename Promote0>
-    __device__ static void wide_fp4_k_block_pair(const FP4Rows& r0, const FP4Rows& r1, uint64_t dt, float (&part)[(kN / 2)], uint32_t table,
-                                                 Promote0&& promote0) {
+    __device__ static void wide_fp4_k_block_pair(const FP4Rows& r0, const FP4Rows& r1, uint64_t dt, float (&part0)[(kN / 2)],
+                                                 float (&part1)[(kN / 2)], uint32_t table, Promote0&& promote0) {
         FP4Fragments a0, a1;
-        mma::fence_operands(part);
-        narrow_fp4_k_block<WideMma<kN>>(r0, a0, dt, part, table);
+        mma::fence_operands(part0);
+        narrow_fp4_k_block<WideMma<kN>>(r0, a0, dt, part0, table);
         mma::warpgroup_commit();
-        narrow_fp4_expand(r1, a1, table);
+        if constexpr (kN == 64) {
+            narrow_fp4_expand(r1, a1, table);
+            mma::warpgroup_wait<0>();
+            mma::fence_operands(part0);
+            mma::fence_fragments(a0);
+            promote0();
+            mma::warpgroup_arrive();
+            WideMma<kN>::fma_k_block(a1, dt, part1, false);
+            mma::warpgroup_commit();
+        } else {
+            mma::fence_operands(part1);
+            narrow_fp4_k_block<WideMma<kN>>(r1, a1, dt, part1, table);
+            mma::warpgroup_commit();
+            mma::warpgroup_wait<1>();
+            mma::fence_operands(part0);
+            mma::fence_fragments(a0);
+            promote0();
+        }
         mma::warpgroup_wait<0>();
-        mma::fence_operands(part);
-        mma::fence_fragments(a0);
-        promote0();
-        mma::warpgroup_arrive();
-        WideMma<kN>::fma_k_block(a1, dt, part, false);
-        mma::warpgroup_commit();
-        mma::warpgroup_wait<0>();
-        mma::fence_operands(part);
+        mma::fence_operands(part1);
         mma::fence_fragments(a1);
     }
 
@@ -2093,17 +2106,18 @@ struct Kernel {
             const int s = stage_iter % kNumStages;
             const uint64_t dt = mma::make_k_major_sw128_desc(sm.stage_a(s));
             const float sg = sm.weight_sf(s, 0), su = sm.weight_sf(s, 1);
-            float sa[(kN / 4)], part[(kN / 2)];
+            float sa[(kN / 4)], part[(kN / 2)], part_u_own[(kN / 2)];
+            float (&part_u)[(kN / 2)] = kN == 64 ? part : part_u_own;   // one set at N = 64
             FP4Rows rg, ru;
             narrow_fp4_load(s, mt.wg * 64, mt, rg, table), narrow_fp4_load(s, 128 + mt.wg * 64, mt, ru, table);
-            wide_fp4_k_block_pair<kN>(rg, ru, dt, part, table, [&] {
+            wide_fp4_k_block_pair<kN>(rg, ru, dt, part, part_u, table, [&] {
                 wide_token_sf<kN>(s, nt, sa);
                 #pragma unroll
                 for (int i = 0; i < (kN / 2); ++i) gate[i] += part[i] * (sa[wide_slot(i)] * sg);
             });
             release_stage(stage_iter, mt);
             #pragma unroll
-            for (int i = 0; i < (kN / 2); ++i) up[i] += part[i] * (sa[wide_slot(i)] * su);
+            for (int i = 0; i < (kN / 2); ++i) up[i] += part_u[i] * (sa[wide_slot(i)] * su);
         }
         return true;
     }
@@ -2206,14 +2220,16 @@ struct Kernel {
             narrow_fp4_load(s, mt.wg * kL2Tiles * 64, mt, r0, table);
             if constexpr (kL2Tiles == 2) {
                 narrow_fp4_load(s, mt.wg * kL2Tiles * 64 + 64, mt, r1, table);
-                wide_fp4_k_block_pair<kN>(r0, r1, dt, part, table, [&] {
+                float part1_own[(kN / 2)];
+                float (&part1)[(kN / 2)] = kN == 64 ? part : part1_own;   // one set at N = 64
+                wide_fp4_k_block_pair<kN>(r0, r1, dt, part, part1, table, [&] {
                     wide_token_sf<kN>(s, nt, sa);
                     #pragma unroll
                     for (int i = 0; i < (kN / 2); ++i) acc[i] += part[i] * (sa[wide_slot(i)] * sb);
                 });
                 release_stage(stage_iter, mt);
                 #pragma unroll
-                for (int i = 0; i < (kN / 2); ++i) acc[(kN / 2) + i] += part[i] * (sa[wide_slot(i)] * sb);
+                for (int i = 0; i < (kN / 2); ++i) acc[(kN / 2) + i] += part1[i] * (sa[wide_slot(i)] * sb);
             } else {
                 FP4Fragments a0;
                 mma::fence_operands(part);
