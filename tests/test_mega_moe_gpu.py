@@ -14,7 +14,11 @@ up to 1e-4 for one token with I = 256). BF16 WGMMA accumulates in FP32 and only 
 remain: measured 3e-9 to 3e-7. A real bug (a wrong row, a lost top-k slot, a wrong scale) gives
 calc_diff > 1e-2.
 """
+import ast
 import os
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -126,6 +130,27 @@ def test_fp4_transposed_tiles_256_wide_l2(seed, experts_allowed):
     v = kernel_variant('fp8xfp4', 1, experts, topk, hidden, inter, 128, _C.get_num_sms(), _max_smem(torch.device('cuda')))
     assert (v[1], v[4], v[5]) == (64, 256, 16), f'{v}: the case no longer covers what it says'
     check_case('fp8xfp4', *MID, [128], seed=seed, experts_allowed=experts_allowed)
+
+
+# DG_MEGA_MOE_WIDE_N=32 (read once per process, hence a subprocess) launches the kernel whose
+# narrowest transposed tile is N = 32 (9-32 tokens run N = 32, more N = 64), which no heuristic picks:
+# the same three routings as above, through scripts/one_launch.py (its own reference check, 3e-4,
+# and the buffer's error word), on the whole grid
+@pytest.mark.parametrize('experts_allowed', [None, 40, 20])
+def test_fp4_transposed_tiles_wide_n_32(experts_allowed):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, os.path.join(root, 'scripts', 'one_launch.py'), '--shape', 'mid', '--tokens', '128',
+           '--format', 'fp8xfp4', '--sms', str(_C.get_num_sms())]
+    if experts_allowed:
+        cmd += ['--experts-allowed', str(experts_allowed)]
+    env = dict(os.environ, DG_MEGA_MOE_WIDE_N='32')
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, f'{run.stdout}\n{run.stderr[-3000:]}'
+    found = re.search(r'kernel variant (\([^)]*\))', run.stdout)
+    assert found, run.stdout
+    variant = ast.literal_eval(found.group(1))
+    assert (variant[1], variant[4], variant[5]) == (64, 256, 32), f'{variant}: the case no longer covers what it says'
+    record_diff('fp8xfp4', float(re.search(r'worst calc_diff (\S+);', run.stdout).group(1)))
 
 
 # Prefill combines (BLOCK_M 128) bring y's top-k rows through shared memory in batches of 128
