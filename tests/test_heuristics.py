@@ -109,19 +109,23 @@ def test_h200_stage_counts():
 
 
 def test_weight_prefetch_stages():
-    # FP8 x FP4 decode (block_m 64) streams 3 weight stages ahead of its inputs (measured, docs/PERF.md
-    # session 9); prefill and the other formats all of their stages
+    # Weight stages a task streams ahead of its inputs (measured, docs/PERF.md sessions 9 and 18):
+    # FP8 x FP4 decode (block_m 64) 3 for L1 and L2 tasks; FP8 x FP8 / BF16 decode 2 for L1 tasks,
+    # all for L2 tasks; prefill all of its stages
     for mma_type in MMA_TYPES:
         for n in (1, 8, 128, 8192):
             c = config(mma_type, num_tokens=n)
-            expected = min(3, c['num_stages']) if mma_type == 'fp8xfp4' and c['block_m'] == 64 else c['num_stages']
-            assert c['num_prefetch_stages'] == expected, (mma_type, n, c)
-            assert f"num_prefetch_stages={expected}" in c['description']
+            decode, fp4 = c['block_m'] == 64, mma_type == 'fp8xfp4'
+            l1 = min(3 if fp4 else 2, c['num_stages']) if decode else c['num_stages']
+            l2 = min(3, c['num_stages']) if decode and fp4 else c['num_stages']
+            assert (c['num_prefetch_stages'], c['num_prefetch_stages_l2']) == (l1, l2), (mma_type, n, c)
+            assert f"num_prefetch_stages={l1}, num_prefetch_stages_l2={l2}" in c['description']
     assert config('fp8xfp4', num_tokens=1)['num_prefetch_stages'] == 3
     assert config('fp8xfp4', num_tokens=8192)['num_prefetch_stages'] == 4
+    assert (config('fp8xfp8', num_tokens=1)['num_prefetch_stages'], config('fp8xfp8', num_tokens=1)['num_prefetch_stages_l2']) == (2, 5)
     # fewer stages than the cap: all of them
     small = config('fp8xfp4', num_tokens=1, max_smem_bytes=expected_smem('fp8xfp4', 64, 2))
-    assert small['num_stages'] == small['num_prefetch_stages'] == 2
+    assert small['num_stages'] == small['num_prefetch_stages'] == small['num_prefetch_stages_l2'] == 2
 
 
 def test_stages_are_capped_at_8():

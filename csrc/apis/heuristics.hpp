@@ -20,6 +20,7 @@ inline pybind11::dict config_to_dict(const MegaMoEConfig& c) {
     d["block_k"] = c.block_k;
     d["num_stages"] = c.num_stages;
     d["num_prefetch_stages"] = c.num_prefetch_stages;
+    d["num_prefetch_stages_l2"] = c.num_prefetch_stages_l2;
     d["num_sms"] = c.num_sms;
     d["num_experts_per_wave"] = c.num_experts_per_wave;
     d["smem_bytes"] = c.smem_bytes;

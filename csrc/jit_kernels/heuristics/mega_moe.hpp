@@ -34,6 +34,8 @@ constexpr int kMinStages = 2;
 constexpr int kMaxStages = 8;
 // Weight stages an FP8 x FP4 decode task (block_m 64) streams before its inputs are ready
 constexpr int kFP4DecodePrefetchStages = 3;
+// The same for an L1 task of FP8 x FP8 / BF16 decode (their L2 tasks stream all stages)
+constexpr int kDecodeL1PrefetchStages = 2;
 // Expected tokens per expert from which FP8 x FP4 decode launches the kernel with transposed tiles of
 // N = 16 / 32 (6: ~15 % of the M-blocks hold more than 8 tokens at Poisson 6)
 constexpr int kFP4WideTokensPerExpert = 6;
@@ -50,7 +52,8 @@ struct MegaMoEConfig {
     int wide_n_min;            // narrowest transposed wide tile, a kernel variant: 64, or 16 (FP8 x FP4 decode, many tokens per expert)
     int block_k;               // 128 (FP8) or 64 (BF16): one 128-byte swizzle row
     int num_stages;            // TMA -> WGMMA pipeline depth
-    int num_prefetch_stages;   // weight stages a task streams before its inputs are ready (<= num_stages)
+    int num_prefetch_stages;   // weight stages an L1 task streams before its tokens are in (<= num_stages)
+    int num_prefetch_stages_l2;   // the same for an L2 task, before its M-block's L1 is done
     int num_sms;               // CTAs of the persistent grid
     int num_experts_per_wave;  // local experts scheduled together
     int smem_bytes;            // dynamic shared memory of one CTA
@@ -69,7 +72,7 @@ struct MegaMoEConfig {
         std::ostringstream os;
         os << "MegaMoEConfig(mma_type=" << kNames[static_cast<int>(mma_type)] << ", block_m=" << block_m
            << ", block_n_l1=" << block_n_l1 << ", block_n_l2=" << block_n_l2 << ", wide_n_min=" << wide_n_min << ", block_k=" << block_k
-           << ", num_stages=" << num_stages << ", num_prefetch_stages=" << num_prefetch_stages << ", num_math_warpgroups=" << num_math_warpgroups
+           << ", num_stages=" << num_stages << ", num_prefetch_stages=" << num_prefetch_stages << ", num_prefetch_stages_l2=" << num_prefetch_stages_l2 << ", num_math_warpgroups=" << num_math_warpgroups
            << ", num_threads=" << num_threads << ", num_sms=" << num_sms
            << ", num_experts_per_wave=" << num_experts_per_wave << ", smem_bytes=" << smem_bytes
            << " (stage A " << smem_a_per_stage << " + B " << smem_b_per_stage << ", epilogue " << smem_epilogue
@@ -160,11 +163,15 @@ inline MegaMoEConfig get_mega_moe_config(MmaType mma_type, int num_ranks, int nu
     }
     c.num_stages = num_stages;
     // Weight prefetch: a task claims its first stages for weights before its tokens (L1) or L1 outputs
-    // (L2) are in. FP8 x FP4 decode streams 3 (of 6): the deeper prefetch of the L2 tasks competes
-    // with the L1 tasks' loads on the decode chain (measured: mid n = 1 -7.5 %, v4-flash n = 1 -2 %,
-    // n = 8 / 128 within 1 %; docs/PERF.md session 9); the other formats and prefill stream all
-    // stages (FP8 and BF16 decode with 3 or 2 measured within 1 % at n = 1 / 8 / 128)
-    c.num_prefetch_stages = mma_type == MmaType::kFP8xFP4 and c.block_m == 64 ? min_of(num_stages, kFP4DecodePrefetchStages) : num_stages;
+    // (L2) are in. FP8 x FP4 decode streams 3 (of 6) in both: the deeper prefetch of the L2 tasks
+    // competes with the L1 tasks' loads on the decode chain (measured: mid n = 1 -7.5 %, v4-flash
+    // n = 1 -2 %, n = 8 / 128 within 1 %; docs/PERF.md session 9). FP8 and BF16 decode: L1 tasks 2,
+    // L2 tasks all (5): an L1 task's deep prefetch, 200 KB in flight per CTA, slowed the pull of the
+    // tokens it waits for (one token: 7.4 -> 4.8 us with 2; -2.2 % at mid / v4-flash FP8 n = 1, -0.5 to
+    // -0.8 % elsewhere at n = 1 / 8, session 18); prefill streams all stages in both
+    const bool decode = c.block_m == 64;
+    c.num_prefetch_stages = not decode ? num_stages : min_of(num_stages, mma_type == MmaType::kFP8xFP4 ? kFP4DecodePrefetchStages : kDecodeL1PrefetchStages);
+    c.num_prefetch_stages_l2 = decode and mma_type == MmaType::kFP8xFP4 ? min_of(num_stages, kFP4DecodePrefetchStages) : num_stages;
     c.smem_bytes = mega_moe_smem_bytes(mma_type, c.block_m, num_stages);
     c.smem_barriers = c.smem_bytes - num_stages * per_stage - c.smem_epilogue;
     c.num_sms = num_sms;

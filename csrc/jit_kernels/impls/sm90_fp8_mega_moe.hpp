@@ -197,19 +197,25 @@ inline MegaMoEConfig launch_sm90_mega_moe(const SM90MegaMoEArgs& a) {
     params.host_status = reinterpret_cast<uint64_t*>(a.host_status);
     params.trace = reinterpret_cast<uint64_t*>(a.trace);
     params.peers_on_this_gpu = a.peers_on_this_gpu ? 1 : 0;
-    // Tuning aid (docs/KERNEL.md): DG_MEGA_MOE_PREFETCH_STAGES sets the weight prefetch (at most all
-    // stages); default the heuristic's
-    static const int prefetch_override = [] {
+    // Tuning aid (docs/KERNEL.md): DG_MEGA_MOE_PREFETCH_STAGES=k sets the weight prefetch of L1 and L2
+    // tasks (at most all stages), =k1,k2 each; default the heuristic's
+    static const std::pair<int, int> prefetch_override = [] {
         const std::string v = jit::get_env("DG_MEGA_MOE_PREFETCH_STAGES");
-        if (v.empty()) return -1;
-        size_t used = 0;
-        int value = -1;
-        try { value = std::stoi(v, &used); } catch (const std::exception&) { used = 0; }
-        if (used != v.size() or value < 0)
-            jit::raise_invalid_argument("DG_MEGA_MOE_PREFETCH_STAGES: expected a non-negative integer, got '", v, "'");
-        return value;
+        if (v.empty()) return std::make_pair(-1, -1);
+        const auto parse = [&](const std::string& s) {
+            size_t used = 0;
+            int value = -1;
+            try { value = std::stoi(s, &used); } catch (const std::exception&) { used = 0; }
+            if (s.empty() or used != s.size() or value < 0)
+                jit::raise_invalid_argument("DG_MEGA_MOE_PREFETCH_STAGES: expected k or k1,k2 (non-negative integers), got '", v, "'");
+            return value;
+        };
+        const size_t comma = v.find(',');
+        if (comma == std::string::npos) return std::make_pair(parse(v), parse(v));
+        return std::make_pair(parse(v.substr(0, comma)), parse(v.substr(comma + 1)));
     }();
-    params.num_prefetch_stages = prefetch_override >= 0 ? std::min(prefetch_override, config.num_stages) : config.num_prefetch_stages;
+    params.num_prefetch_stages = prefetch_override.first >= 0 ? std::min(prefetch_override.first, config.num_stages) : config.num_prefetch_stages;
+    params.num_prefetch_stages_l2 = prefetch_override.second >= 0 ? std::min(prefetch_override.second, config.num_stages) : config.num_prefetch_stages_l2;
     params.l1_split_max = mega_moe_l1_split_max(a.mma_type);
 
     const auto& lay = params.layout;

@@ -200,7 +200,8 @@ struct MegaMoEParams {
     uint64_t timeout_ns;
     uint64_t* host_status;              // pinned, host-mapped mirror of the status word, or nullptr
     uint64_t* trace;                    // [grid][kTraceSlots] %globaltimer stamps (scripts/trace.py), or nullptr
-    int num_prefetch_stages;            // weight stages a task streams before its inputs are ready
+    int num_prefetch_stages;            // weight stages an L1 task streams before its inputs are ready
+    int num_prefetch_stages_l2;         // the same for an L2 task (before its M-block's L1 is done)
     // Every rank's buffer is on this GPU (EP1, virtual ranks): the cross-rank signals (counts,
     // combine rows and flags) need gpu scope only; else sys scope (peers over NVLink)
     int peers_on_this_gpu;

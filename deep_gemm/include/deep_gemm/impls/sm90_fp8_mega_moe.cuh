@@ -1074,7 +1074,7 @@ struct Kernel {
             const uint32_t dep_target = is_l1 ? 1u : static_cast<uint32_t>(tasks.num_l1_nblocks * kNumMathWGs);
             const Phase dep_phase = is_l1 ? Phase::kL1Wait : Phase::kL2Wait;
             const uint32_t probe = ld_relaxed_gpu(dep);
-            const int num_prefetch = min_of(task_kb, min_of(kNumStages, p.num_prefetch_stages));
+            const int num_prefetch = min_of(task_kb, min_of(kNumStages, is_l1 ? p.num_prefetch_stages : p.num_prefetch_stages_l2));
             bool ok = true, ready = false;
             [[maybe_unused]] next_pass:   // a two-pass L2 task's second pass (a goto: no loop in the 128-wide kernel)
             {
