@@ -143,7 +143,8 @@ def test_fp4_transposed_tiles_wide_n_32(experts_allowed):
            '--format', 'fp8xfp4', '--sms', str(_C.get_num_sms())]
     if experts_allowed:
         cmd += ['--experts-allowed', str(experts_allowed)]
-    env = dict(os.environ, DG_MEGA_MOE_WIDE_N='32')
+    # the child imports this tree's package, as the parent does (conftest.py puts it first on sys.path)
+    env = dict(os.environ, DG_MEGA_MOE_WIDE_N='32', PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get('PYTHONPATH')])))
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, f'{run.stdout}\n{run.stderr[-3000:]}'
     found = re.search(r'kernel variant (\([^)]*\))', run.stdout)
