@@ -6,7 +6,7 @@
 #     ab/<name>.cuh  a copy of impls/sm90_fp8_mega_moe.cuh, run with the working tree's package, or
 #     ab/<name>/     a whole source tree (`git archive <commit> | tar -x -C ab/<name>`): its own _C is
 #                    built here, for variants that change headers or heuristics too, or
-#     AB_ENVS="DG_MEGA_MOE_L2_BLOCK_N=128 ..."  the working tree under each VAR=VALUE (tuning aids,
+#     AB_ENVS="DG_MEGA_MOE_L2_BLOCK_N=128 ..."  the working tree under each VAR=VALUE (A=1+B=2: both; tuning aids,
 #                    read once per process); AB_ENVS_ALL=1: every variant under each
 #   bash scripts/ab_prebuild.sh fp8xfp8 bf16xbf16             # on the CPU machine: every variant's cubins
 #   run(command="AB_TESTS='tests/test_mega_moe_gpu.py' bash scripts/ab_run.sh fp8xfp8 2048 768 128 8 1 ...",
@@ -49,12 +49,12 @@ for _ in 1 2; do
     for d in $VARIANTS; do
         PYTHONPATH=/tmp/site:$d python3 scripts/time_fused.py "$@" 2>&1 | tee -a "$OUT/ab.log"
     done
-    # Environment variants (AB_ENVS="DG_X=1 DG_Y=2": one variant each) of the working tree and, with
-    # AB_ENVS_ALL=1, of every variant above
+    # Environment variants (AB_ENVS="DG_X=1 DG_Y=2": one variant each; "DG_X=1+DG_Y=2": both in one)
+    # of the working tree and, with AB_ENVS_ALL=1, of every variant above
     for e in ${AB_ENVS:-}; do
         for d in $PWD ${AB_ENVS_ALL:+$VARIANTS}; do
             echo "[$e]" | tee -a "$OUT/ab.log"
-            env "$e" PYTHONPATH=/tmp/site:$d python3 scripts/time_fused.py "$@" 2>&1 | tee -a "$OUT/ab.log"
+            env ${e//+/ } PYTHONPATH=/tmp/site:$d python3 scripts/time_fused.py "$@" 2>&1 | tee -a "$OUT/ab.log"
         done
     done
 done
