@@ -166,9 +166,10 @@ inline MegaMoEConfig get_mega_moe_config(MmaType mma_type, int num_ranks, int nu
     // (L2) are in. FP8 x FP4 decode streams 3 (of 6) in both: the deeper prefetch of the L2 tasks
     // competes with the L1 tasks' loads on the decode chain (measured: mid n = 1 -7.5 %, v4-flash
     // n = 1 -2 %, n = 8 / 128 within 1 %; docs/PERF.md session 9). FP8 and BF16 decode: L1 tasks 2,
-    // L2 tasks all (5): an L1 task's deep prefetch, 200 KB in flight per CTA, slowed the pull of the
-    // tokens it waits for (one token: 7.4 -> 4.8 us with 2; -2.2 % at mid / v4-flash FP8 n = 1, -0.5 to
-    // -0.8 % elsewhere at n = 1 / 8, session 18); prefill streams all stages in both
+    // L2 tasks all (5): the prefetch in flight slows the pull of the tokens L1 waits for (one token,
+    // mid FP8 / BF16: 7.4 / 7.7 us with 5 and 5, 6.4 / 4.4 with 2 and 5, 2.8 / 1.5 with none), and
+    // L2 tasks need theirs deep (-2.2 % at mid / v4-flash FP8 n = 1, -0.5 to -0.8 % elsewhere at
+    // n = 1 / 8, session 18); prefill streams all stages in both
     const bool decode = c.block_m == 64;
     c.num_prefetch_stages = not decode ? num_stages : min_of(num_stages, mma_type == MmaType::kFP8xFP4 ? kFP4DecodePrefetchStages : kDecodeL1PrefetchStages);
     c.num_prefetch_stages_l2 = decode and mma_type == MmaType::kFP8xFP4 ? min_of(num_stages, kFP4DecodePrefetchStages) : num_stages;
