@@ -1,6 +1,6 @@
 """Where does one Mega MoE call spend its time? Per-CTA %globaltimer stamps of each phase.
 
-    python scripts/trace.py [--cold | --cold-read | --cold-code-warm] [fmt hidden inter experts topk n ...]
+    python scripts/trace.py [--tasks] [--cold | --cold-read | --cold-code-warm] [fmt hidden inter experts topk n ...]
 
 Prints, per phase, how many CTAs stamped it and the min / 10th percentile / median / 90th percentile
 / max time in microseconds after the first CTA started. Development aid (the kernel writes stamps
@@ -9,9 +9,19 @@ may still sit in L2 from the call before), with --cold after the benchmark's L2 
 written), as `deep_gemm.bench` times it, with --cold-read after a flush that leaves L2 clean (256 MB
 read), with --cold-code-warm after the flush and one untraced call on experts the traced call does
 not use (its weights cold, the code warm).
+
+--tasks runs the kernel variants built with the task log (DG_MEGA_MOE_TASK_LOG=1: the first 16 L1 /
+L2 / combine tasks of each CTA, when the math read each from the ring, had its first L1 stage, ended
+its K-loop and its epilogue, and when the producer ("P") put its ticket in the ring, claimed its first
+stage and issued its first A tile) and prints, per task kind, the spread of those steps, the gaps
+between a CTA's tasks and the CTAs that end last. Prebuild those variants with the same variable set.
 """
 import dataclasses
+import os
 import sys
+
+if '--tasks' in sys.argv:   # read once per process, at the first kernel build
+    os.environ['DG_MEGA_MOE_TASK_LOG'] = '1'
 
 import torch
 
@@ -71,6 +81,60 @@ def trace_case(fmt, h, i, e, k, n, reps=3, flush=None, code_warm=False):
         fmt_us = lambda v: ' '.join(f'{(x - t0) / 1e3:6.2f}' if x > 0 else '     -' for x in v.tolist())
         print(f'  CTA {int(r)} K-block ready: {fmt_us(ready[r])}')
         print(f'  CTA {int(r)} A issued:      {fmt_us(issue[r])}')
+    if os.environ.get('DG_MEGA_MOE_TASK_LOG') == '1':
+        print_task_log(t, t0)
+
+
+TASK_KINDS = {1: 'L1', 2: 'L2', 3: 'combine'}
+
+
+def _quantiles(v):
+    v = torch.tensor(v, dtype=torch.float64)
+    q = torch.quantile(v, torch.tensor([0.1, 0.5, 0.9], dtype=v.dtype)).tolist()
+    return f'n {v.numel():5d}  min {v.min():7.2f}  p10 {q[0]:7.2f}  median {q[1]:7.2f}  p90 {q[2]:7.2f}  max {v.max():7.2f}'
+
+
+def print_task_log(t, t0):
+    """The task log of a DG_MEGA_MOE_TASK_LOG=1 kernel: per kind, the steps of a task (us)."""
+    base, num, stamps = _C.kTraceTaskBase, _C.kTraceTasks, _C.kTraceTaskStamps
+    log = t[:, base:base + num * stamps].view(-1, num, stamps)
+    us = lambda x: (x - t0) / 1e3
+    steps, gaps, ends = {}, {}, []
+    for c in range(log.shape[0]):
+        entries = [e for e in log[c].tolist() if e[1] > 0]
+        for k, e in enumerate(entries):
+            kind = TASK_KINDS.get((e[0] >> 32) & 0xff, '?')
+            d = steps.setdefault(kind, {'begin': [], 'got -> 1st stage': [], 'got -> loop end': [], 'epilogue': [], 'task': [],
+                                        'P ticket -> claim': [], 'P claim -> A': [], 'P A -> 1st stage': [],
+                                        'P ticket - prev loop end': []})
+            span = lambda a, b: (e[b] - e[a]) / 1e3 if e[a] > 0 and e[b] > 0 else None
+            for name, v in (('got -> 1st stage', span(1, 2)), ('got -> loop end', span(1, 3)), ('epilogue', span(3, 4)),
+                            ('task', span(1, 4)), ('P ticket -> claim', span(5, 6)), ('P claim -> A', span(6, 7)),
+                            ('P A -> 1st stage', span(7, 2))):
+                if v is not None:
+                    d[name].append(v)
+            d['begin'].append(us(e[1]))
+            if k > 0 and entries[k - 1][4] > 0:
+                prev = TASK_KINDS.get((entries[k - 1][0] >> 32) & 0xff, '?')
+                gaps.setdefault(f'{prev} -> {kind}', []).append((e[1] - entries[k - 1][4]) / 1e3)
+                if e[5] > 0 and entries[k - 1][3] > 0:   # < 0: the producer had this ticket before the math's last loop ended
+                    d['P ticket - prev loop end'].append((e[5] - entries[k - 1][3]) / 1e3)
+        if entries and entries[-1][4] > 0:
+            ends.append((us(entries[-1][4]), c, entries))
+    print(f'  task log ({sum(len(d["begin"]) for d in steps.values())} tasks; us):')
+    for kind, d in steps.items():
+        for name, v in d.items():
+            if v:
+                print(f'  {kind:>8} {name:>24}: {_quantiles(v)}')
+    for name, v in sorted(gaps.items()):
+        print(f'  gap {name:>19}: {_quantiles(v)}')
+    ends.sort()
+    if ends:
+        print(f'  CTA last task end: {_quantiles([e[0] for e in ends])}')
+    for end, c, entries in ends[-3:]:
+        line = ' '.join(f'{TASK_KINDS.get((e[0] >> 32) & 0xff, "?")}[{e[0] & 0xffffffff}:{e[0] >> 40}r] '
+                        f'{us(e[1]):.1f}-{us(e[4]) if e[4] else float("nan"):.1f}' for e in entries)
+        print(f'  CTA {c} (ends {end:.1f}): {line}')
 
 
 def warm_up_gpu(seconds=1.0):
@@ -85,7 +149,7 @@ def warm_up_gpu(seconds=1.0):
 
 if __name__ == '__main__':
     warm_up_gpu()
-    args = sys.argv[1:]
+    args = [a for a in sys.argv[1:] if a != '--tasks']
     flush = None
     code_warm = False
     if args and args[0] in ('--cold', '--cold-read', '--cold-code-warm'):

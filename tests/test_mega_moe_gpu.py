@@ -154,6 +154,28 @@ def test_fp4_transposed_tiles_wide_n_32(experts_allowed):
     record_diff('fp8xfp4', float(re.search(r'worst calc_diff (\S+);', run.stdout).group(1)))
 
 
+# scripts/trace.py --tasks (the DG_MEGA_MOE_TASK_LOG=1 kernels, read once per process: a subprocess)
+# logs each CTA's L1 / L2 / combine tasks; at the small shape every CTA runs fewer than the log's 16,
+# so the log holds every task of the call: as many L1 and L2 tasks as the call has (split-K off: one
+# L1 task per tile), each with its steps in order
+def test_trace_task_log_on_the_gpu():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    hidden, inter, experts, topk, n = 512, 256, 16, 4, 7
+    env = dict(os.environ, DG_MEGA_MOE_L1_SPLIT='1', PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get('PYTHONPATH')])))
+    cmd = [sys.executable, os.path.join(root, 'scripts', 'trace.py'), '--tasks', 'fp8xfp8', *map(str, (hidden, inter, experts, topk, n))]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, f'{run.stdout}\n{run.stderr[-3000:]}'
+    counts = {m.group(1): int(m.group(2)) for m in re.finditer(r'^\s*(L1|L2|combine)\s+task: n\s+(\d+)', run.stdout, re.M)}
+    # the traced call's routing (trace.py: moe_case.make_inputs, seed 1): its M-blocks and N-blocks
+    inputs = mc.make_inputs('fp8xfp8', [n], hidden, experts, topk, seed=1)[0]
+    mblocks = int(torch.unique(inputs.topk_idx[inputs.topk_idx >= 0]).numel())   # one M-block per expert (<= 64 tokens)
+    assert counts.get('L1') == mblocks * (2 * inter // 256), run.stdout
+    assert counts.get('L2') == mblocks * (hidden // 128), run.stdout
+    assert counts.get('combine', 0) >= 1, run.stdout
+    for m in re.finditer(r'(got -> 1st stage|got -> loop end|epilogue|task): n\s+\d+\s+min\s+(\S+)', run.stdout):
+        assert float(m.group(2)) >= 0, m.group(0)
+
+
 # Prefill combines (BLOCK_M 128) bring y's top-k rows through shared memory in batches of 128
 # chunks x 8 top-k planes (combine_bulk): top-k 12 takes two plane batches per chunk group (the sums
 # carried between them), hidden 640 (80 chunks per token) makes batches straddle tokens, and the

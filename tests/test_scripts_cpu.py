@@ -66,3 +66,51 @@ def test_prebuild_lists_the_ep_kernels():
     assert full.returncode == 0 and len(full.stdout.splitlines()) == 22
     assert all(k[5] == 64 or (k[0], k[1], k[5]) == (0, 64, 16) for k in keys)
     assert run('--ep', '1').returncode == 2 and run('fp16').returncode == 2
+
+
+def _load_trace_script():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location('dg_trace_script', os.path.join(SCRIPTS, 'trace.py'))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_trace_task_log_summary(capsys):
+    """scripts/trace.py --tasks reads the task log as the kernel writes it (kTraceTaskBase, 5 stamps a
+    task: id word, got, first L1 stage, K-loop end, epilogue end, the producer's ticket, first claim,
+    first A; kinds 1 / 2 / 3) and reports each step, the gaps between a CTA's tasks and the CTAs that end
+    last."""
+    import torch
+    from deep_gemm import _C
+    trace = _load_trace_script()
+    assert _C.kTraceTaskStamps == 8 and _C.kTraceSlots >= _C.kTraceTaskBase + _C.kTraceTasks * _C.kTraceTaskStamps
+    t = torch.zeros(3, _C.kTraceSlots, dtype=torch.int64)
+    t[:, 0] = 10_000
+    for c in range(3):
+        now = 12_000
+        for i, kind in enumerate((1, 1, 2, 3)):
+            e = _C.kTraceTaskBase + i * _C.kTraceTaskStamps
+            t[c, e] = (1 << 40) | (kind << 32) | (100 * c + i)
+            t[c, e + 1] = now
+            t[c, e + 2] = now + 700 if kind == 1 else 0
+            t[c, e + 3] = now + 3_000 if kind != 3 else 0
+            t[c, e + 4] = now + 3_500
+            if kind != 3:   # the producer: ticket 1.2 us before the math got it, first claim 0.3 later, first A 0.4 later
+                t[c, e + 5], t[c, e + 6], t[c, e + 7] = now - 1_200, now - 900, now - 500
+            now += 4_000 + 1_000 * c   # gaps of 0.5 / 1.5 / 2.5 us
+    trace.print_task_log(t, 10_000)
+    out = capsys.readouterr().out
+    assert 'task log (12 tasks' in out
+    lines = {l.split(':')[0].strip(): l for l in out.splitlines() if ':' in l}
+    key = lambda kind, name: f'{kind:>8} {name:>24}'.strip()
+    assert 'median    0.70' in lines[key('L1', 'got -> 1st stage')]
+    assert 'n     6' in lines[key('L1', 'task')] and 'median    3.50' in lines[key('L1', 'task')]
+    assert 'n     3' in lines[key('combine', 'task')] and key('combine', 'got -> loop end') not in lines
+    assert 'median    0.30' in lines[key('L1', 'P ticket -> claim')] and 'median    0.40' in lines[key('L1', 'P claim -> A')]
+    assert 'median    1.20' in lines[key('L1', 'P A -> 1st stage')] and key('L2', 'P A -> 1st stage') not in lines
+    # the second L1 task's ticket (now - 1.2 us) against the first's loop end (its start + 3 us)
+    assert 'n     3' in lines[key('L1', 'P ticket - prev loop end')]
+    assert 'min   -0.20' in lines[key('L1', 'P ticket - prev loop end')] and 'max    1.80' in lines[key('L1', 'P ticket - prev loop end')]
+    assert 'min    0.50' in lines['gap            L1 -> L1'] and 'max    2.50' in lines['gap            L1 -> L1']
+    assert 'CTA 2 (ends 23.5)' in out and 'L2[202:1r] 14.0-17.5' in out

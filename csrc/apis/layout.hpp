@@ -203,6 +203,9 @@ inline void register_apis(pybind11::module_& m) {
     m.attr("kTraceKbReady") = static_cast<int>(kTraceKbReady);
     m.attr("kTraceKbIssue") = static_cast<int>(kTraceKbIssue);
     m.attr("kTraceKbSlots") = static_cast<int>(kTraceKbSlots);
+    m.attr("kTraceTaskBase") = static_cast<int>(kTraceTaskBase);
+    m.attr("kTraceTasks") = static_cast<int>(kTraceTasks);
+    m.attr("kTraceTaskStamps") = static_cast<int>(kTraceTaskStamps);
     py::dict codes, phases;
     codes["timeout"] = static_cast<int>(StatusCode::kTimeout);
     codes["bad_expert_id"] = static_cast<int>(StatusCode::kBadExpertId);

@@ -34,6 +34,19 @@ inline const char* mma_type_cpp_name(MmaType t) {
 
 // One kernel: the kernel's template parameters, in their order (Kernel<kMmaType, BLOCK_M,
 // kNumStages, kFastMath, kL2BlockN, kWideNMin>)
+// A tuning aid's value: one of `allowed` (as written), -1 when unset; anything else raises
+inline int read_env_choice(const char* name, std::initializer_list<const char*> allowed) {
+    const std::string v = jit::get_env(name);
+    if (v.empty()) return -1;
+    std::string expected;
+    for (const char* a : allowed) {
+        if (v == a) return std::stoi(v);
+        expected += (expected.empty() ? "" : ", ") + std::string(a);
+    }
+    jit::raise_invalid_argument(name, ": expected one of ", expected, ", got '", v, "'");
+    return -1;
+}
+
 struct SM90MegaMoEVariant {
     MmaType mma_type;
     int block_m, num_stages;
@@ -56,12 +69,21 @@ struct SM90MegaMoEVariant {
         os << "sm90_mega_moe_" << kNames[static_cast<int>(mma_type)] << "_m" << block_m << "_n" << block_n_l2
            << "_s" << num_stages << (fast_math ? "_fast" : "_exact");
         if (wide_n_min != 64) os << "_w" << wide_n_min;
+        if (task_log()) os << "_tasklog";
         return os.str();
+    }
+
+    // DG_MEGA_MOE_TASK_LOG=1 (read once per process): every kernel variant is built with the trace's
+    // task log (scripts/trace.py --tasks), a development aid kept out of the others' SASS
+    static bool task_log() {
+        static const bool on = read_env_choice("DG_MEGA_MOE_TASK_LOG", {"0", "1"}) == 1;
+        return on;
     }
 
     std::string source() const {
         check();
         std::ostringstream os;
+        if (task_log()) os << "#define DG_MEGA_MOE_TASK_LOG 1\n";
         os << "#include <deep_gemm/impls/sm90_fp8_mega_moe.cuh>\n\n"
            << "DG_DEFINE_SM90_MEGA_MOE_KERNEL(sm90_mega_moe, " << mma_type_cpp_name(mma_type) << ", " << block_m << ", "
            << num_stages << ", " << (fast_math ? "true" : "false") << ", " << block_n_l2 << ", " << wide_n_min << ")\n";
@@ -106,18 +128,6 @@ inline CUtensorMap make_kmajor_tma(int64_t ptr, CUtensorMapDataType dtype, uint6
                             swizzle);
 }
 
-// A tuning aid's value: one of `allowed` (as written), -1 when unset; anything else raises
-inline int read_env_choice(const char* name, std::initializer_list<const char*> allowed) {
-    const std::string v = jit::get_env(name);
-    if (v.empty()) return -1;
-    std::string expected;
-    for (const char* a : allowed) {
-        if (v == a) return std::stoi(v);
-        expected += (expected.empty() ? "" : ", ") + std::string(a);
-    }
-    jit::raise_invalid_argument(name, ": expected one of ", expected, ", got '", v, "'");
-    return -1;
-}
 
 // The L2 task width a call launches: the heuristic's, or the tuning aid DG_MEGA_MOE_L2_BLOCK_N = 128
 // or 256 (docs/KERNEL.md; read once per process), which picks the kernel variant of that width

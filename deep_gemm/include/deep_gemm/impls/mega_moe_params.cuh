@@ -181,7 +181,13 @@ enum TraceSlot : int {
     kTracePullBegin, kTraceL1FirstStage,
     // The first L1 task of each CTA, per K-block (kb < 16): when the math warpgroups had the stage,
     // and when the producer issued its A tile
-    kTraceKbReady = 16, kTraceKbIssue = 32, kTraceKbSlots = 16, kTraceSlots = 48
+    kTraceKbReady = 16, kTraceKbIssue = 32, kTraceKbSlots = 16,
+    // The task log: the first kTraceTasks L1 / L2 / combine tasks of each CTA, kTraceTaskStamps slots
+    // each. The math: (rows << 40 | kind << 32 | task), got (its ring slot read), L1's first stage
+    // ready, K-loop end, epilogue end (kind 1 L1, 2 L2, 3 combine); the producer: its ticket in the
+    // ring, its first stage claimed (B issued), its first A tile issued
+    kTraceTaskBase = 48, kTraceTasks = 16, kTraceTaskStamps = 8,
+    kTraceSlots = kTraceTaskBase + kTraceTasks * kTraceTaskStamps
 };
 
 struct MegaMoEParams {

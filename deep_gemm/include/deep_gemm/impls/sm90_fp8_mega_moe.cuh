@@ -62,6 +62,11 @@ constexpr uint32_t kPollMask = 63;
 // suspended thread wakes when the phase completes; the hint only bounds the sleep (and so, times
 // kPollMask, how late an idle role sees an abort).
 constexpr uint32_t kRingSuspendNs = 2000;
+// The trace's task log (MegaMoEParams::trace, scripts/trace.py --tasks): a kernel variant of its own
+#ifndef DG_MEGA_MOE_TASK_LOG
+#define DG_MEGA_MOE_TASK_LOG 0
+#endif
+constexpr bool kTaskLog = DG_MEGA_MOE_TASK_LOG;
 constexpr uint32_t kStageSuspendNs = 2000;
 
 struct SharedControl {
@@ -84,7 +89,7 @@ struct SharedControl {
     unsigned long long trace_first;   // trace slots stamped so far (first-only stamps, scripts/trace.py)
 };
 static_assert(sizeof(SharedControl) <= 64, "the 64 bytes of scalars in mega_moe_control_smem_bytes");
-static_assert(kTraceSlots <= 64, "one bit of SharedControl::trace_first per trace slot");
+static_assert(kTraceTaskBase <= 64, "one bit of SharedControl::trace_first per first-only trace slot");
 
 // Record the first error of the call (own buffer + host mirror); fatal ones also stop every CTA
 __device__ __forceinline__ void report(const MegaMoEParams& p, StatusCode code, Phase phase, uint32_t rank,
@@ -934,6 +939,14 @@ struct Kernel {
             }
             mbarrier_arrive(sm.full + s);
         };
+        // Task log (kTaskLog kernels, traced calls): this thread's stamps 5-7 of the entry the math
+        // gives the same task (both count the tasks past the pull in ring order)
+        [[maybe_unused]] int plog = -1, plogged = 0;
+        [[maybe_unused]] const auto producer_log = [&](int k) {
+            if constexpr (kTaskLog) {
+                if (plog >= 0) p.trace[blockIdx.x * kTraceSlots + kTraceTaskBase + plog * kTraceTaskStamps + k] = globaltimer_ns();
+            }
+        };
         for (int i = 0;; ++i) {
             int t = i == 0 ? sm.ctrl->first_task : static_cast<int>(atomicAdd(control + L::kControlTaskQueue, 1));
             const int slot = i % kMegaMoETaskRing;
@@ -943,6 +956,10 @@ struct Kernel {
             sm.ring_task[slot] = t;
             mbarrier_arrive(sm.ring_full + slot);
             if (t >= total) break;
+            if constexpr (kTaskLog) {
+                plog = p.trace != nullptr and plogged < kTraceTasks and t >= tasks.pull_end() ? plogged++ : -1;
+                producer_log(5);
+            }
 
             if (t < tasks.pull_end()) continue;   // the dispatch warps'
             if (t >= tasks.l2_end()) {
@@ -1090,11 +1107,13 @@ struct Kernel {
                         // the math to release one of them (it cannot before its A arrives)
                         for (; a_next < kb; ++a_next) {
                             issue_a(stage_iter + a_next), a_issued_end = stage_iter + a_next + 1;
+                            if (kTaskLog and a_next == 0) producer_log(7);
                             if (is_l1 and a_next < kTraceKbSlots) trace(kTraceKbIssue + a_next, true);
                         }
                     }
                     ok = claim_stage(stage_iter + kb);
                     if (not ok) break;
+                    if (kTaskLog and kb == 0) producer_log(6);
                     if (kb == 0 and not ready and probe >= dep_target) {
                         fence_acq_rel_gpu();          // after the relaxed probe: an acquire of the dependency
                         fence_proxy_async_global();
@@ -1102,6 +1121,7 @@ struct Kernel {
                     }
                     for (; ready and a_next <= kb; ++a_next) {
                         issue_a(stage_iter + a_next), a_issued_end = stage_iter + a_next + 1;
+                        if (kTaskLog and a_next == 0) producer_log(7);
                         if (is_l1 and a_next < kTraceKbSlots) trace(kTraceKbIssue + a_next, true);
                     }
                 }
@@ -1111,6 +1131,7 @@ struct Kernel {
                         fence_proxy_async_global();
                         for (; a_next < task_kb; ++a_next) {
                             issue_a(stage_iter + a_next), a_issued_end = stage_iter + a_next + 1;
+                            if (kTaskLog and a_next == 0) producer_log(7);
                             if (is_l1 and a_next < kTraceKbSlots) trace(kTraceKbIssue + a_next, true);
                         }
                     }
@@ -1175,9 +1196,19 @@ struct Kernel {
     struct MathThread {
         int wg, tid, warp, lane;
         bool tracer;   // thread 0 of its warpgroup, in a traced call: writes the K-loop's trace stamps
+        int log;       // tracer of warpgroup 0: the task-log entry of the task it runs, or -1
         __device__ int row_in_tile(int half) const { return (kSplitN ? 0 : wg * 64) + warp * 16 + lane / 4 + 8 * half; }
         __device__ int row0() const { return kSplitN ? 0 : wg * 64; }   // first tile row of this warpgroup
     };
+
+    // Task log (scripts/trace.py --tasks): stamp k of the task mt.log. Only in the kernel variant
+    // built with DG_MEGA_MOE_TASK_LOG=1 (its stamps moved registers in the K-loops of the others)
+    __device__ void log_task(const MathThread& mt, int k, uint64_t value = 0) const {
+        if constexpr (kTaskLog) {
+            if (mt.log >= 0)
+                p.trace[blockIdx.x * kTraceSlots + kTraceTaskBase + mt.log * kTraceTaskStamps + k] = k == 0 ? value : globaltimer_ns();
+        }
+    }
 
     // Leave-now decisions of the math side, taken by every thread of the group that meets at
     // barriers: both warpgroups when they share a tile (split columns) or a barrier (FP4
@@ -1226,7 +1257,7 @@ struct Kernel {
     __device__ bool wait_full_l1(int kb, uint32_t stage_iter, const MathThread& mt) {
         if (not wait_full(stage_iter)) return false;
         if (mt.tracer and kb < kTraceKbSlots) {
-            if (kb == 0) trace(kTraceL1FirstStage, true);
+            if (kb == 0) trace(kTraceL1FirstStage, true), log_task(mt, 2);
             if (mt.wg == 0) trace(kTraceKbReady + kb, true);
         }
         return true;
@@ -2411,6 +2442,8 @@ struct Kernel {
         mt.warp = mt.tid / 32;
         mt.lane = mt.tid % 32;
         mt.tracer = p.trace != nullptr and mt.tid == 0;
+        mt.log = -1;
+        int logged = 0;   // task-log entries written (tracer of warpgroup 0)
         const int total = tasks.total();
         uint32_t stage_iter = 0;
         uint32_t combine_batches = 0;   // bulk combine: this warpgroup's batches so far (its mbarriers' phases)
@@ -2429,6 +2462,11 @@ struct Kernel {
                 if (is_combine) release_task(i);
                 break;
             }
+            if (kTaskLog and mt.tracer) {
+                mt.log = mt.wg == 0 and logged < kTraceTasks and t >= tasks.pull_end() ? logged++ : -1;
+                log_task(mt, 0, (static_cast<uint64_t>(t < tasks.l1_end() ? 1 : t < tasks.l2_end() ? 2 : 3) << 32) | static_cast<uint32_t>(t));
+                log_task(mt, 1);
+            }
             if (t >= tasks.pull_end() and t < tasks.l1_end()) {
                 // split-K: consecutive tasks are the K parts of one tile (the scheduler's rule)
                 const int idx = t - tasks.pull_end(), tile = idx / tasks.l1_split;
@@ -2436,10 +2474,12 @@ struct Kernel {
                 float acc[kL1Acc], row_w[2];
                 if (mt.tid == 0) trace(kTraceL1Begin, true);
                 const int le = expert_of_mblock(m), rows = valid_rows(m, le);
+                if (kTaskLog and mt.tracer) log_task(mt, 0, (static_cast<uint64_t>(rows) << 40) | (1ull << 32) | static_cast<uint32_t>(t));
                 if (kSplitN and rows <= kNarrowRows) {   // the producer applies the same rule (scheduler)
                     float gate[4], up[4], tok_w[2];
                     const int task_kb = lay.hidden / BLOCK_K / tasks.l1_split;
                     if (not narrow_l1_mainloop(m, task_kb, stage_iter, mt, gate, up, tok_w) or task_stages_dead(stage_iter)) break;
+                    log_task(mt, 3);
                     // split-K: only the tile's last finisher (sum of all parts) runs the epilogue
                     if (tasks.l1_split == 1 or split_l1_exchange(tile, idx % tasks.l1_split, tasks.l1_split, mt, gate, up))
                         narrow_l1_epilogue(m, j, rows, mt, gate, up, tok_w);
@@ -2449,6 +2489,7 @@ struct Kernel {
                         constexpr int kN = decltype(n)::value;
                         float gate[kN / 2], up[kN / 2];
                         if (not transposed_l1_mainloop<kN>(stage_iter, mt, gate, up) or task_stages_dead(stage_iter)) return false;
+                        log_task(mt, 3);
                         transposed_l1_epilogue<kN>(m, j, rows, mt, gate, up);
                         return true;
                     };
@@ -2457,11 +2498,13 @@ struct Kernel {
                 } else if constexpr (kTransposedWide) {   // N = 64 only (the lambda above changes this kernel's SASS)
                     float gate[32], up[32];
                     if (not transposed_l1_mainloop<64>(stage_iter, mt, gate, up) or task_stages_dead(stage_iter)) break;
+                    log_task(mt, 3);
                     transposed_l1_epilogue<64>(m, j, rows, mt, gate, up);
                 } else {
                     // Never split (l1_split > 1 only when every tile is narrow: max_tokens <= kNarrowRows
                     // in build_layout); the wide loop runs all of H's K-blocks, as the producer streams them
                     if (not l1_mainloop(m, stage_iter, mt, acc, row_w) or task_stages_dead(stage_iter)) break;
+                    log_task(mt, 3);
                     epilogue_tile_free();
                     l1_epilogue(m, j, rows, mt, acc, row_w);
                 }
@@ -2471,15 +2514,18 @@ struct Kernel {
                 float acc[kL2Acc];
                 if (mt.tid == 0) trace(kTraceL2Begin, true);
                 const int le = expert_of_mblock(m), rows = valid_rows(m, le);
+                if (kTaskLog and mt.tracer) log_task(mt, 0, (static_cast<uint64_t>(rows) << 40) | (2ull << 32) | static_cast<uint32_t>(t));
                 if (kSplitN and rows <= kNarrowRows) {   // the producer applies the same rule (scheduler)
                     float narrow_acc[4 * kL2Tiles];
                     if (not narrow_l2_mainloop(stage_iter, mt, narrow_acc) or task_stages_dead(stage_iter)) break;
+                    log_task(mt, 3);
                     narrow_l2_epilogue(m, j, rows, mt, narrow_acc);
                 } else if constexpr (kTransposedWide and (kWideN16 or kWideN32)) {   // one pass over the task's B rows, as a narrow tile (scheduler)
                     const auto run = [&](auto n) {
                         constexpr int kN = decltype(n)::value;
                         float wide_acc[kN / 2 * kL2Tiles];
                         if (not transposed_l2_mainloop<kN>(stage_iter, mt, wide_acc) or task_stages_dead(stage_iter)) return false;
+                        log_task(mt, 3);
                         transposed_l2_epilogue<kN>(m, j, rows, mt, wide_acc);
                         return true;
                     };
@@ -2488,15 +2534,19 @@ struct Kernel {
                 } else if constexpr (kTransposedWide) {
                     float wide_acc[32 * kL2Tiles];
                     if (not transposed_l2_mainloop<64>(stage_iter, mt, wide_acc) or task_stages_dead(stage_iter)) break;
+                    log_task(mt, 3);
                     transposed_l2_epilogue<64>(m, j, rows, mt, wide_acc);
                 } else if constexpr (kL2Tiles == 1) {
                     if (not l2_mainloop(stage_iter, mt, acc) or task_stages_dead(stage_iter)) break;
+                    log_task(mt, 3);
                     epilogue_tile_free();
                     l2_epilogue(m, j, rows, mt, acc);
                 } else {   // a 256-wide task of a wide M-block: its two 128-column tiles, as the producer streams them
                     if (not l2_mainloop(stage_iter, mt, acc) or task_stages_dead(stage_iter)) break;
+                    log_task(mt, 3);
                     l2_epilogue<false>(m, 2 * j, rows, mt, acc);
                     if (not l2_mainloop(stage_iter, mt, acc) or task_stages_dead(stage_iter)) break;
+                    log_task(mt, 3);
                     l2_epilogue(m, 2 * j + 1, rows, mt, acc);
                 }
                 if (mt.tid == 0) trace(kTraceL2End);
@@ -2507,6 +2557,7 @@ struct Kernel {
                     combine<kMathCombineSlots>(t - tasks.l2_end(), 128 * mt.wg + mt.tid, mt.tid, 128, kBarrierMathBase + mt.wg,
                                                [&] { release_task(i); });
             }
+            if (kTaskLog and mt.tracer) log_task(mt, 4);
         }
     }
 
