@@ -32,8 +32,6 @@ inline const char* mma_type_cpp_name(MmaType t) {
     }
 }
 
-// One kernel: the kernel's template parameters, in their order (Kernel<kMmaType, BLOCK_M,
-// kNumStages, kFastMath, kL2BlockN, kWideNMin>)
 // A tuning aid's value: one of `allowed` (as written), -1 when unset; anything else raises
 inline int read_env_choice(const char* name, std::initializer_list<const char*> allowed) {
     const std::string v = jit::get_env(name);
@@ -47,6 +45,8 @@ inline int read_env_choice(const char* name, std::initializer_list<const char*> 
     return -1;
 }
 
+// One kernel: the kernel's template parameters, in their order (Kernel<kMmaType, BLOCK_M,
+// kNumStages, kFastMath, kL2BlockN, kWideNMin>)
 struct SM90MegaMoEVariant {
     MmaType mma_type;
     int block_m, num_stages;
@@ -127,7 +127,6 @@ inline CUtensorMap make_kmajor_tma(int64_t ptr, CUtensorMapDataType dtype, uint6
                              jit::TmaDim{rows, box_rows, row_bytes, "rows", "block rows", "row stride"}},
                             swizzle);
 }
-
 
 // The L2 task width a call launches: the heuristic's, or the tuning aid DG_MEGA_MOE_L2_BLOCK_N = 128
 // or 256 (docs/KERNEL.md; read once per process), which picks the kernel variant of that width

@@ -62,12 +62,12 @@ constexpr uint32_t kPollMask = 63;
 // suspended thread wakes when the phase completes; the hint only bounds the sleep (and so, times
 // kPollMask, how late an idle role sees an abort).
 constexpr uint32_t kRingSuspendNs = 2000;
+constexpr uint32_t kStageSuspendNs = 2000;
 // The trace's task log (MegaMoEParams::trace, scripts/trace.py --tasks): a kernel variant of its own
 #ifndef DG_MEGA_MOE_TASK_LOG
 #define DG_MEGA_MOE_TASK_LOG 0
 #endif
 constexpr bool kTaskLog = DG_MEGA_MOE_TASK_LOG;
-constexpr uint32_t kStageSuspendNs = 2000;
 
 struct SharedControl {
     int first_task;
