@@ -131,6 +131,25 @@ def print_task_log(t, t0):
     ends.sort()
     if ends:
         print(f'  CTA last task end: {_quantiles([e[0] for e in ends])}')
+        # Where a CTA's time goes (CTAs whose every task is in the log), medians over the CTAs
+        last = ends[-1][0]
+        budget = {k: [] for k in ('before its first task', 'L1 first-stage waits', 'K-loops', 'epilogues',
+                                  'combine tasks', 'between tasks', 'after its last task')}
+        for end, c, entries in ends:
+            if len(entries) >= num:
+                continue
+            kind = lambda e: TASK_KINDS.get((e[0] >> 32) & 0xff, '?')
+            wait = sum((e[2] - e[1]) / 1e3 for e in entries if kind(e) == 'L1' and e[2] > 0)
+            budget['before its first task'].append(us(entries[0][1]))
+            budget['L1 first-stage waits'].append(wait)
+            budget['K-loops'].append(sum((e[3] - e[1]) / 1e3 for e in entries if kind(e) != 'combine' and e[3] > 0) - wait)
+            budget['epilogues'].append(sum((e[4] - e[3]) / 1e3 for e in entries if kind(e) != 'combine' and e[3] > 0))
+            budget['combine tasks'].append(sum((e[4] - e[1]) / 1e3 for e in entries if kind(e) == 'combine'))
+            budget['between tasks'].append(sum((b[1] - a[4]) / 1e3 for a, b in zip(entries, entries[1:])))
+            budget['after its last task'].append(last - end)
+        if budget['K-loops']:
+            print(f'  per CTA ({len(budget["K-loops"])} CTAs with every task logged; medians, us): ' +
+                  ', '.join(f'{k} {torch.tensor(v).median().item():.1f}' for k, v in budget.items()))
     for end, c, entries in ends[-3:]:
         line = ' '.join(f'{TASK_KINDS.get((e[0] >> 32) & 0xff, "?")}[{e[0] & 0xffffffff}:{e[0] >> 40}r] '
                         f'{us(e[1]):.1f}-{us(e[4]) if e[4] else float("nan"):.1f}' for e in entries)

@@ -114,3 +114,7 @@ def test_trace_task_log_summary(capsys):
     assert 'min   -0.20' in lines[key('L1', 'P ticket - prev loop end')] and 'max    1.80' in lines[key('L1', 'P ticket - prev loop end')]
     assert 'min    0.50' in lines['gap            L1 -> L1'] and 'max    2.50' in lines['gap            L1 -> L1']
     assert 'CTA 2 (ends 23.5)' in out and 'L2[202:1r] 14.0-17.5' in out
+    # per CTA: first task at 2 us; L1 first stages 2 x 0.7; K-loops 2 x 3 - 1.4 + 3; epilogues 3 x 0.5;
+    # one combine task of 3.5; gaps 3 x (0.5, 1.5, 2.5); after the last task 23.5 - (17.5, 20.5, 23.5)
+    assert ('per CTA (3 CTAs with every task logged; medians, us): before its first task 2.0, L1 first-stage '
+            'waits 1.4, K-loops 7.6, epilogues 1.5, combine tasks 3.5, between tasks 4.5, after its last task 3.0') in out
