@@ -12,6 +12,7 @@
 #   run(command="AB_TESTS='tests/test_mega_moe_gpu.py' bash scripts/ab_run.sh fp8xfp8 2048 768 128 8 1 ...",
 #       carry=[".whl", ".jit_cache", "ab"])
 #
+# AB_TESTS_ENV="DG_X=1+DG_Y=2" runs $AB_TESTS under those variables (the tests of an AB_ENVS variant).
 # DG_TESTS_TIMEOUT_S bounds $AB_TESTS (scripts/device_run.sh; the usual GPU suite takes ~50 s, so
 # ~150 keeps a hanging variant from spending the whole call on its tests).
 # Builds _C, runs $AB_TESTS (default: the layout tests) on A, then scripts/time_fused.py on A and on
@@ -21,7 +22,8 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-bash scripts/device_run.sh ${AB_TESTS:-tests/test_layout.py} | tail -3
+# AB_TESTS_ENV="DG_X=1+DG_Y=2": run $AB_TESTS under those variables (an AB_ENVS variant's own tests)
+env ${AB_TESTS_ENV:+${AB_TESTS_ENV//+/ }} bash scripts/device_run.sh ${AB_TESTS:-tests/test_layout.py} | tail -3
 export DG_JIT_CACHE_DIR=$PWD/.jit_cache
 source scripts/device_compiler.sh
 VARIANTS=""
