@@ -12,8 +12,8 @@ not use (its weights cold, the code warm).
 
 --tasks runs the kernel variants built with the task log (DG_MEGA_MOE_TASK_LOG=1: the first 16 L1 /
 L2 / combine tasks of each CTA, when the math read each from the ring, had its first L1 stage, ended
-its K-loop and its epilogue, and when the producer ("P") put its ticket in the ring, claimed its first
-stage and issued its first A tile) and prints, per task kind, the spread of those steps, the gaps
+its K-loop and its epilogue, and when the producer ("P") put its ticket in the ring, had decoded it,
+had its first stage free, had claimed it (B issued) and issued its first A tile) and prints, per task kind, the spread of those steps, the gaps
 between a CTA's tasks and the CTAs that end last. Prebuild those variants with the same variable set.
 """
 import dataclasses
@@ -105,11 +105,13 @@ def print_task_log(t, t0):
         for k, e in enumerate(entries):
             kind = TASK_KINDS.get((e[0] >> 32) & 0xff, '?')
             d = steps.setdefault(kind, {'begin': [], 'got -> 1st stage': [], 'got -> loop end': [], 'epilogue': [], 'task': [],
-                                        'P ticket -> claim': [], 'P claim -> A': [], 'P A -> 1st stage': [],
+                                        'P ticket -> claim': [], 'P ticket -> decoded': [], 'P decoded -> free': [],
+                                        'P free -> claimed': [], 'P claim -> A': [], 'P A -> 1st stage': [],
                                         'P ticket - prev loop end': []})
             span = lambda a, b: (e[b] - e[a]) / 1e3 if e[a] > 0 and e[b] > 0 else None
             for name, v in (('got -> 1st stage', span(1, 2)), ('got -> loop end', span(1, 3)), ('epilogue', span(3, 4)),
-                            ('task', span(1, 4)), ('P ticket -> claim', span(5, 6)), ('P claim -> A', span(6, 7)),
+                            ('task', span(1, 4)), ('P ticket -> claim', span(5, 6)), ('P ticket -> decoded', span(5, 8)),
+                            ('P decoded -> free', span(8, 9)), ('P free -> claimed', span(9, 6)), ('P claim -> A', span(6, 7)),
                             ('P A -> 1st stage', span(7, 2))):
                 if v is not None:
                     d[name].append(v)

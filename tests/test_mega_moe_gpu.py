@@ -172,9 +172,11 @@ def test_trace_task_log_on_the_gpu():
     assert counts.get('L1') == mblocks * (2 * inter // 256), run.stdout
     assert counts.get('L2') == mblocks * (hidden // 128), run.stdout
     assert counts.get('combine', 0) >= 1, run.stdout
-    steps = re.findall(r'^\s*(L1|L2)\s+(got -> 1st stage|got -> loop end|epilogue|task|P ticket -> claim|P claim -> A)'
+    steps = re.findall(r'^\s*(L1|L2)\s+(got -> 1st stage|got -> loop end|epilogue|task|P ticket -> claim|P claim -> A|'
+                       r'P ticket -> decoded|P decoded -> free|P free -> claimed)'
                        r': n\s+\d+\s+min\s+(\S+)', run.stdout, re.M)
-    assert {(k, name) for k, name, _ in steps} >= {(k, n) for k in ('L1', 'L2') for n in ('got -> loop end', 'epilogue', 'P ticket -> claim', 'P claim -> A')}, run.stdout
+    assert {(k, name) for k, name, _ in steps} >= {(k, n) for k in ('L1', 'L2') for n in (
+        'got -> loop end', 'epilogue', 'P ticket -> claim', 'P claim -> A', 'P ticket -> decoded', 'P decoded -> free', 'P free -> claimed')}, run.stdout
     for kind, name, low in steps:   # each a span between two stamps of one thread, in program order
         assert float(low) >= 0, (kind, name, low)
 

@@ -79,12 +79,12 @@ def _load_trace_script():
 def test_trace_task_log_summary(capsys):
     """scripts/trace.py --tasks reads the task log as the kernel writes it (kTraceTaskBase, 5 stamps a
     task: id word, got, first L1 stage, K-loop end, epilogue end, the producer's ticket, first claim,
-    first A; kinds 1 / 2 / 3) and reports each step, the gaps between a CTA's tasks and the CTAs that end
+    first A, decoded, first stage free; kinds 1 / 2 / 3) and reports each step, the gaps between a CTA's tasks and the CTAs that end
     last."""
     import torch
     from deep_gemm import _C
     trace = _load_trace_script()
-    assert _C.kTraceTaskStamps == 8 and _C.kTraceSlots >= _C.kTraceTaskBase + _C.kTraceTasks * _C.kTraceTaskStamps
+    assert _C.kTraceTaskStamps == 10 and _C.kTraceSlots >= _C.kTraceTaskBase + _C.kTraceTasks * _C.kTraceTaskStamps
     t = torch.zeros(3, _C.kTraceSlots, dtype=torch.int64)
     t[:, 0] = 10_000
     for c in range(3):
@@ -98,6 +98,7 @@ def test_trace_task_log_summary(capsys):
             t[c, e + 4] = now + 3_500
             if kind != 3:   # the producer: ticket 1.2 us before the math got it, first claim 0.3 later, first A 0.4 later
                 t[c, e + 5], t[c, e + 6], t[c, e + 7] = now - 1_200, now - 900, now - 500
+                t[c, e + 8], t[c, e + 9] = now - 1_100, now - 950   # decoded, first stage free
             now += 4_000 + 1_000 * c   # gaps of 0.5 / 1.5 / 2.5 us
     trace.print_task_log(t, 10_000)
     out = capsys.readouterr().out
@@ -109,6 +110,8 @@ def test_trace_task_log_summary(capsys):
     assert 'n     3' in lines[key('combine', 'task')] and key('combine', 'got -> loop end') not in lines
     assert 'median    0.30' in lines[key('L1', 'P ticket -> claim')] and 'median    0.40' in lines[key('L1', 'P claim -> A')]
     assert 'median    1.20' in lines[key('L1', 'P A -> 1st stage')] and key('L2', 'P A -> 1st stage') not in lines
+    assert 'median    0.10' in lines[key('L2', 'P ticket -> decoded')] and 'median    0.15' in lines[key('L2', 'P decoded -> free')]
+    assert 'median    0.05' in lines[key('L1', 'P free -> claimed')]
     # the second L1 task's ticket (now - 1.2 us) against the first's loop end (its start + 3 us)
     assert 'n     3' in lines[key('L1', 'P ticket - prev loop end')]
     assert 'min   -0.20' in lines[key('L1', 'P ticket - prev loop end')] and 'max    1.80' in lines[key('L1', 'P ticket - prev loop end')]

@@ -185,8 +185,9 @@ enum TraceSlot : int {
     // The task log: the first kTraceTasks L1 / L2 / combine tasks of each CTA, kTraceTaskStamps slots
     // each. The math: (rows << 40 | kind << 32 | task), got (its ring slot read), L1's first stage
     // ready, K-loop end, epilogue end (kind 1 L1, 2 L2, 3 combine); the producer: its ticket in the
-    // ring, its first stage claimed (B issued), its first A tile issued
-    kTraceTaskBase = 48, kTraceTasks = 16, kTraceTaskStamps = 8,
+    // ring, its first stage claimed (B issued), its first A tile issued, the task decoded (before its
+    // first claim), its first stage free (the claim's empty-barrier wait done)
+    kTraceTaskBase = 48, kTraceTasks = 16, kTraceTaskStamps = 10,
     kTraceSlots = kTraceTaskBase + kTraceTasks * kTraceTaskStamps
 };
 

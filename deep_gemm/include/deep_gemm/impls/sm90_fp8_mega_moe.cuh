@@ -939,7 +939,7 @@ struct Kernel {
             }
             mbarrier_arrive(sm.full + s);
         };
-        // Task log (kTaskLog kernels, traced calls): this thread's stamps 5-7 of the entry the math
+        // Task log (kTaskLog kernels, traced calls): this thread's stamps 5-9 of the entry the math
         // gives the same task (both count the tasks past the pull in ring order)
         [[maybe_unused]] int plog = -1, plogged = 0;
         [[maybe_unused]] const auto producer_log = [&](int k) {
@@ -1039,6 +1039,7 @@ struct Kernel {
                 if (not bounded_wait(p, sm.ctrl, Phase::kPipeline, p.rank,
                                      [&] { return mbarrier_try_wait_suspend<kStageSuspendNs>(sm.empty + s, ((it / kNumStages) & 1) ^ 1); }))
                     return false;
+                if (kTaskLog and it == stage_iter) producer_log(9);
                 mbarrier_expect_tx(sm.full + s, stage_bytes);
                 const int kb = static_cast<int>(it - stage_iter) + kb0;
                 if constexpr (kFP4) {
@@ -1093,6 +1094,7 @@ struct Kernel {
             const uint32_t probe = ld_relaxed_gpu(dep);
             const int num_prefetch = min_of(task_kb, min_of(kNumStages, is_l1 ? p.num_prefetch_stages : p.num_prefetch_stages_l2));
             bool ok = true, ready = false;
+            if constexpr (kTaskLog) producer_log(8);
             [[maybe_unused]] next_pass:   // a two-pass L2 task's second pass (a goto: no loop in the 128-wide kernel)
             {
                 int a_next = 0;     // the first K-block of this pass whose A tile is not issued yet
