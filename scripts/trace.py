@@ -43,10 +43,13 @@ def _other_experts(inputs, e):
     raise ValueError('no disjoint expert set: too many experts routed')
 
 
+INPUT_SEED = 1   # the traced call's routing and activations (tests/test_mega_moe_gpu.py rebuilds its routing)
+
+
 def trace_case(fmt, h, i, e, k, n, reps=3, flush=None, code_warm=False):
     w = mc.make_weights(fmt, h, i, e, 1, seed=0)
     (buf,) = mc.make_buffers(fmt, 1, e, max(n, 1), k, h, i)
-    inputs = mc.make_inputs(fmt, [n], h, e, k, seed=1)
+    inputs = mc.make_inputs(fmt, [n], h, e, k, seed=INPUT_SEED)
     # code_warm: after the flush, one untraced call on other experts, so the traced call finds the
     # kernel's code and parameters in L2 but its own weights cold
     other = _other_experts(inputs[0], e) if code_warm else None
@@ -85,9 +88,6 @@ def trace_case(fmt, h, i, e, k, n, reps=3, flush=None, code_warm=False):
         print_task_log(t, t0)
 
 
-TASK_KINDS = {1: 'L1', 2: 'L2', 3: 'combine'}
-
-
 def _quantiles(v):
     v = torch.tensor(v, dtype=torch.float64)
     q = torch.quantile(v, torch.tensor([0.1, 0.5, 0.9], dtype=v.dtype)).tolist()
@@ -95,34 +95,35 @@ def _quantiles(v):
 
 
 def print_task_log(t, t0):
-    """The task log of a DG_MEGA_MOE_TASK_LOG=1 kernel: per kind, the steps of a task (us)."""
+    """The task log of a DG_MEGA_MOE_TASK_LOG=1 kernel: per kind, the steps of a task (us). Slots
+    and kinds as the kernel names them (TraceTaskStamp, TraceTaskKind in mega_moe_params.cuh)."""
     base, num, stamps = _C.kTraceTaskBase, _C.kTraceTasks, _C.kTraceTaskStamps
+    S = _C.kTraceTaskStamp
     log = t[:, base:base + num * stamps].view(-1, num, stamps)
     us = lambda x: (x - t0) / 1e3
+    kind_of = lambda e: _C.kTraceTaskKinds.get((e[S['id']] >> 32) & 0xff, '?')
+    # (name, from stamp, to stamp): a step's span where both stamps were written
+    spans = (('got -> 1st stage', 'got', 'first_stage'), ('got -> loop end', 'got', 'loop_end'), ('epilogue', 'loop_end', 'end'),
+             ('task', 'got', 'end'), ('P ticket -> claim', 'ticket', 'claimed'), ('P ticket -> decoded', 'ticket', 'decoded'),
+             ('P decoded -> free', 'decoded', 'stage_free'), ('P free -> claimed', 'stage_free', 'claimed'),
+             ('P claim -> A', 'claimed', 'first_a'), ('P A -> 1st stage', 'first_a', 'first_stage'))
     steps, gaps, ends = {}, {}, []
     for c in range(log.shape[0]):
-        entries = [e for e in log[c].tolist() if e[1] > 0]
+        entries = [e for e in log[c].tolist() if e[S['got']] > 0]
         for k, e in enumerate(entries):
-            kind = TASK_KINDS.get((e[0] >> 32) & 0xff, '?')
-            d = steps.setdefault(kind, {'begin': [], 'got -> 1st stage': [], 'got -> loop end': [], 'epilogue': [], 'task': [],
-                                        'P ticket -> claim': [], 'P ticket -> decoded': [], 'P decoded -> free': [],
-                                        'P free -> claimed': [], 'P claim -> A': [], 'P A -> 1st stage': [],
-                                        'P ticket - prev loop end': []})
-            span = lambda a, b: (e[b] - e[a]) / 1e3 if e[a] > 0 and e[b] > 0 else None
-            for name, v in (('got -> 1st stage', span(1, 2)), ('got -> loop end', span(1, 3)), ('epilogue', span(3, 4)),
-                            ('task', span(1, 4)), ('P ticket -> claim', span(5, 6)), ('P ticket -> decoded', span(5, 8)),
-                            ('P decoded -> free', span(8, 9)), ('P free -> claimed', span(9, 6)), ('P claim -> A', span(6, 7)),
-                            ('P A -> 1st stage', span(7, 2))):
-                if v is not None:
-                    d[name].append(v)
-            d['begin'].append(us(e[1]))
-            if k > 0 and entries[k - 1][4] > 0:
-                prev = TASK_KINDS.get((entries[k - 1][0] >> 32) & 0xff, '?')
-                gaps.setdefault(f'{prev} -> {kind}', []).append((e[1] - entries[k - 1][4]) / 1e3)
-                if e[5] > 0 and entries[k - 1][3] > 0:   # < 0: the producer had this ticket before the math's last loop ended
-                    d['P ticket - prev loop end'].append((e[5] - entries[k - 1][3]) / 1e3)
-        if entries and entries[-1][4] > 0:
-            ends.append((us(entries[-1][4]), c, entries))
+            kind = kind_of(e)
+            d = steps.setdefault(kind, {'begin': [], **{name: [] for name, _, _ in spans}, 'P ticket - prev loop end': []})
+            d['begin'].append(us(e[S['got']]))
+            for name, a, b in spans:
+                if e[S[a]] > 0 and e[S[b]] > 0:
+                    d[name].append((e[S[b]] - e[S[a]]) / 1e3)
+            prev = entries[k - 1] if k > 0 else None
+            if prev is not None and prev[S['end']] > 0:
+                gaps.setdefault(f'{kind_of(prev)} -> {kind}', []).append((e[S['got']] - prev[S['end']]) / 1e3)
+                if e[S['ticket']] > 0 and prev[S['loop_end']] > 0:   # < 0: the producer had this ticket before the math's last loop ended
+                    d['P ticket - prev loop end'].append((e[S['ticket']] - prev[S['loop_end']]) / 1e3)
+        if entries and entries[-1][S['end']] > 0:
+            ends.append((us(entries[-1][S['end']]), c, entries))
     print(f'  task log ({sum(len(d["begin"]) for d in steps.values())} tasks; us):')
     for kind, d in steps.items():
         for name, v in d.items():
@@ -137,24 +138,25 @@ def print_task_log(t, t0):
         last = ends[-1][0]
         budget = {k: [] for k in ('before its first task', 'L1 first-stage waits', 'K-loops', 'epilogues',
                                   'combine tasks', 'between tasks', 'after its last task')}
+        span = lambda e, a, b: (e[S[b]] - e[S[a]]) / 1e3
         for end, c, entries in ends:
             if len(entries) >= num:
                 continue
-            kind = lambda e: TASK_KINDS.get((e[0] >> 32) & 0xff, '?')
-            wait = sum((e[2] - e[1]) / 1e3 for e in entries if kind(e) == 'L1' and e[2] > 0)
-            budget['before its first task'].append(us(entries[0][1]))
+            gemm = [e for e in entries if kind_of(e) != 'combine' and e[S['loop_end']] > 0]
+            wait = sum(span(e, 'got', 'first_stage') for e in entries if kind_of(e) == 'L1' and e[S['first_stage']] > 0)
+            budget['before its first task'].append(us(entries[0][S['got']]))
             budget['L1 first-stage waits'].append(wait)
-            budget['K-loops'].append(sum((e[3] - e[1]) / 1e3 for e in entries if kind(e) != 'combine' and e[3] > 0) - wait)
-            budget['epilogues'].append(sum((e[4] - e[3]) / 1e3 for e in entries if kind(e) != 'combine' and e[3] > 0))
-            budget['combine tasks'].append(sum((e[4] - e[1]) / 1e3 for e in entries if kind(e) == 'combine'))
-            budget['between tasks'].append(sum((b[1] - a[4]) / 1e3 for a, b in zip(entries, entries[1:])))
+            budget['K-loops'].append(sum(span(e, 'got', 'loop_end') for e in gemm) - wait)
+            budget['epilogues'].append(sum(span(e, 'loop_end', 'end') for e in gemm))
+            budget['combine tasks'].append(sum(span(e, 'got', 'end') for e in entries if kind_of(e) == 'combine'))
+            budget['between tasks'].append(sum((b[S['got']] - a[S['end']]) / 1e3 for a, b in zip(entries, entries[1:])))
             budget['after its last task'].append(last - end)
         if budget['K-loops']:
             print(f'  per CTA ({len(budget["K-loops"])} CTAs with every task logged; medians, us): ' +
                   ', '.join(f'{k} {torch.tensor(v).median().item():.1f}' for k, v in budget.items()))
     for end, c, entries in ends[-3:]:
-        line = ' '.join(f'{TASK_KINDS.get((e[0] >> 32) & 0xff, "?")}[{e[0] & 0xffffffff}:{e[0] >> 40}r] '
-                        f'{us(e[1]):.1f}-{us(e[4]) if e[4] else float("nan"):.1f}' for e in entries)
+        line = ' '.join(f'{kind_of(e)}[{e[S["id"]] & 0xffffffff}:{e[S["id"]] >> 40}r] '
+                        f'{us(e[S["got"]]):.1f}-{us(e[S["end"]]) if e[S["end"]] else float("nan"):.1f}' for e in entries)
         print(f'  CTA {c} (ends {end:.1f}): {line}')
 
 

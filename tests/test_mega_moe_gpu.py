@@ -166,8 +166,12 @@ def test_trace_task_log_on_the_gpu():
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, f'{run.stdout}\n{run.stderr[-3000:]}'
     counts = {m.group(1): int(m.group(2)) for m in re.finditer(r'^\s*(L1|L2|combine)\s+task: n\s+(\d+)', run.stdout, re.M)}
-    # the traced call's routing (trace.py: moe_case.make_inputs, seed 1): its M-blocks and N-blocks
-    inputs = mc.make_inputs('fp8xfp8', [n], hidden, experts, topk, seed=1)[0]
+    # the traced call's routing (trace.py's inputs): its M-blocks and N-blocks
+    import importlib.util
+    spec = importlib.util.spec_from_file_location('dg_trace_script', os.path.join(root, 'scripts', 'trace.py'))
+    trace = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trace)
+    inputs = mc.make_inputs('fp8xfp8', [n], hidden, experts, topk, seed=trace.INPUT_SEED)[0]
     mblocks = int(torch.unique(inputs.topk_idx[inputs.topk_idx >= 0]).numel())   # one M-block per expert (<= 64 tokens)
     assert counts.get('L1') == mblocks * (2 * inter // 256), run.stdout
     assert counts.get('L2') == mblocks * (hidden // 128), run.stdout

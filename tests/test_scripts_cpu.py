@@ -77,28 +77,32 @@ def _load_trace_script():
 
 
 def test_trace_task_log_summary(capsys):
-    """scripts/trace.py --tasks reads the task log as the kernel writes it (kTraceTaskBase, 5 stamps a
-    task: id word, got, first L1 stage, K-loop end, epilogue end, the producer's ticket, first claim,
-    first A, decoded, first stage free; kinds 1 / 2 / 3) and reports each step, the gaps between a CTA's tasks and the CTAs that end
-    last."""
+    """scripts/trace.py --tasks reads the task log as the kernel writes it (kTraceTaskBase, one slot a
+    TraceTaskStamp: the math's id word, got, first L1 stage, K-loop end, epilogue end; the producer's
+    ticket, first claim, first A, decoded, first stage free; kinds TraceTaskKind) and reports each
+    step, the gaps between a CTA's tasks and the CTAs that end last."""
     import torch
     from deep_gemm import _C
     trace = _load_trace_script()
-    assert _C.kTraceTaskStamps == 10 and _C.kTraceSlots >= _C.kTraceTaskBase + _C.kTraceTasks * _C.kTraceTaskStamps
+    S = _C.kTraceTaskStamp
+    assert sorted(S.values()) == list(range(_C.kTraceTaskStamps)) and len(S) == 10
+    assert _C.kTraceSlots >= _C.kTraceTaskBase + _C.kTraceTasks * _C.kTraceTaskStamps
+    kinds = {name: k for k, name in _C.kTraceTaskKinds.items()}
+    assert sorted(kinds) == ['L1', 'L2', 'combine']
     t = torch.zeros(3, _C.kTraceSlots, dtype=torch.int64)
     t[:, 0] = 10_000
     for c in range(3):
         now = 12_000
-        for i, kind in enumerate((1, 1, 2, 3)):
+        for i, kind in enumerate(('L1', 'L1', 'L2', 'combine')):
             e = _C.kTraceTaskBase + i * _C.kTraceTaskStamps
-            t[c, e] = (1 << 40) | (kind << 32) | (100 * c + i)
-            t[c, e + 1] = now
-            t[c, e + 2] = now + 700 if kind == 1 else 0
-            t[c, e + 3] = now + 3_000 if kind != 3 else 0
-            t[c, e + 4] = now + 3_500
-            if kind != 3:   # the producer: ticket 1.2 us before the math got it, first claim 0.3 later, first A 0.4 later
-                t[c, e + 5], t[c, e + 6], t[c, e + 7] = now - 1_200, now - 900, now - 500
-                t[c, e + 8], t[c, e + 9] = now - 1_100, now - 950   # decoded, first stage free
+            t[c, e + S['id']] = (1 << 40) | (kinds[kind] << 32) | (100 * c + i)
+            t[c, e + S['got']] = now
+            t[c, e + S['first_stage']] = now + 700 if kind == 'L1' else 0
+            t[c, e + S['loop_end']] = now + 3_000 if kind != 'combine' else 0
+            t[c, e + S['end']] = now + 3_500
+            if kind != 'combine':   # the producer: ticket 1.2 us before the math got it, first claim 0.3 later, first A 0.4 later
+                t[c, e + S['ticket']], t[c, e + S['claimed']], t[c, e + S['first_a']] = now - 1_200, now - 900, now - 500
+                t[c, e + S['decoded']], t[c, e + S['stage_free']] = now - 1_100, now - 950
             now += 4_000 + 1_000 * c   # gaps of 0.5 / 1.5 / 2.5 us
     trace.print_task_log(t, 10_000)
     out = capsys.readouterr().out

@@ -206,6 +206,22 @@ inline void register_apis(pybind11::module_& m) {
     m.attr("kTraceTaskBase") = static_cast<int>(kTraceTaskBase);
     m.attr("kTraceTasks") = static_cast<int>(kTraceTasks);
     m.attr("kTraceTaskStamps") = static_cast<int>(kTraceTaskStamps);
+    py::dict task_stamps, task_kinds;   // the task log's slots and kinds (scripts/trace.py --tasks)
+    task_stamps["id"] = static_cast<int>(kTaskStampId);
+    task_stamps["got"] = static_cast<int>(kTaskStampGot);
+    task_stamps["first_stage"] = static_cast<int>(kTaskStampFirstStage);
+    task_stamps["loop_end"] = static_cast<int>(kTaskStampLoopEnd);
+    task_stamps["end"] = static_cast<int>(kTaskStampEnd);
+    task_stamps["ticket"] = static_cast<int>(kTaskStampTicket);
+    task_stamps["claimed"] = static_cast<int>(kTaskStampClaimed);
+    task_stamps["first_a"] = static_cast<int>(kTaskStampFirstA);
+    task_stamps["decoded"] = static_cast<int>(kTaskStampDecoded);
+    task_stamps["stage_free"] = static_cast<int>(kTaskStampStageFree);
+    task_kinds[py::int_(static_cast<int>(kTaskKindL1))] = "L1";
+    task_kinds[py::int_(static_cast<int>(kTaskKindL2))] = "L2";
+    task_kinds[py::int_(static_cast<int>(kTaskKindCombine))] = "combine";
+    m.attr("kTraceTaskStamp") = task_stamps;
+    m.attr("kTraceTaskKinds") = task_kinds;
     py::dict codes, phases;
     codes["timeout"] = static_cast<int>(StatusCode::kTimeout);
     codes["bad_expert_id"] = static_cast<int>(StatusCode::kBadExpertId);

@@ -173,6 +173,17 @@ DG_HOST_DEVICE constexpr int mega_moe_smem_bytes(MmaType t, int block_m, int num
            mega_moe_combine_bar_bytes(block_m) + mega_moe_control_smem_bytes(num_stages) + 1024;
 }
 
+// The task log's stamps (slot k of a task's entry, scripts/trace.py reads them by these names): the
+// math's id word (rows << 40 | kind << 32 | task), ring slot read, first L1 stage ready, K-loop
+// end, epilogue end; the producer's ticket in the ring, first stage claimed (B issued), first A
+// tile issued, task decoded (before its first claim), first stage free (its empty-barrier wait done)
+enum TraceTaskStamp : int {
+    kTaskStampId = 0, kTaskStampGot, kTaskStampFirstStage, kTaskStampLoopEnd, kTaskStampEnd,
+    kTaskStampTicket, kTaskStampClaimed, kTaskStampFirstA, kTaskStampDecoded, kTaskStampStageFree,
+    kTaskStampCount
+};
+enum TraceTaskKind : int { kTaskKindL1 = 1, kTaskKindL2 = 2, kTaskKindCombine = 3 };
+
 // Phase timestamps per CTA when `MegaMoEParams::trace` is set (a development aid: where does a
 // decode call spend its microseconds). "first" slots keep the first stamp, the others the last.
 enum TraceSlot : int {
@@ -182,12 +193,8 @@ enum TraceSlot : int {
     // The first L1 task of each CTA, per K-block (kb < 16): when the math warpgroups had the stage,
     // and when the producer issued its A tile
     kTraceKbReady = 16, kTraceKbIssue = 32, kTraceKbSlots = 16,
-    // The task log: the first kTraceTasks L1 / L2 / combine tasks of each CTA, kTraceTaskStamps slots
-    // each. The math: (rows << 40 | kind << 32 | task), got (its ring slot read), L1's first stage
-    // ready, K-loop end, epilogue end (kind 1 L1, 2 L2, 3 combine); the producer: its ticket in the
-    // ring, its first stage claimed (B issued), its first A tile issued, the task decoded (before its
-    // first claim), its first stage free (the claim's empty-barrier wait done)
-    kTraceTaskBase = 48, kTraceTasks = 16, kTraceTaskStamps = 10,
+    // The task log: the first kTraceTasks L1 / L2 / combine tasks of each CTA, one TraceTaskStamp each
+    kTraceTaskBase = 48, kTraceTasks = 16, kTraceTaskStamps = kTaskStampCount,
     kTraceSlots = kTraceTaskBase + kTraceTasks * kTraceTaskStamps
 };
 

@@ -958,7 +958,7 @@ struct Kernel {
             if (t >= total) break;
             if constexpr (kTaskLog) {
                 plog = p.trace != nullptr and plogged < kTraceTasks and t >= tasks.pull_end() ? plogged++ : -1;
-                producer_log(5);
+                producer_log(kTaskStampTicket);
             }
 
             if (t < tasks.pull_end()) continue;   // the dispatch warps'
@@ -1039,7 +1039,7 @@ struct Kernel {
                 if (not bounded_wait(p, sm.ctrl, Phase::kPipeline, p.rank,
                                      [&] { return mbarrier_try_wait_suspend<kStageSuspendNs>(sm.empty + s, ((it / kNumStages) & 1) ^ 1); }))
                     return false;
-                if (kTaskLog and it == stage_iter) producer_log(9);
+                if (kTaskLog and it == stage_iter) producer_log(kTaskStampStageFree);
                 mbarrier_expect_tx(sm.full + s, stage_bytes);
                 const int kb = static_cast<int>(it - stage_iter) + kb0;
                 if constexpr (kFP4) {
@@ -1094,7 +1094,7 @@ struct Kernel {
             const uint32_t probe = ld_relaxed_gpu(dep);
             const int num_prefetch = min_of(task_kb, min_of(kNumStages, is_l1 ? p.num_prefetch_stages : p.num_prefetch_stages_l2));
             bool ok = true, ready = false;
-            if constexpr (kTaskLog) producer_log(8);
+            if constexpr (kTaskLog) producer_log(kTaskStampDecoded);
             [[maybe_unused]] next_pass:   // a two-pass L2 task's second pass (a goto: no loop in the 128-wide kernel)
             {
                 int a_next = 0;     // the first K-block of this pass whose A tile is not issued yet
@@ -1109,13 +1109,13 @@ struct Kernel {
                         // the math to release one of them (it cannot before its A arrives)
                         for (; a_next < kb; ++a_next) {
                             issue_a(stage_iter + a_next), a_issued_end = stage_iter + a_next + 1;
-                            if (kTaskLog and a_next == 0) producer_log(7);
+                            if (kTaskLog and a_next == 0) producer_log(kTaskStampFirstA);
                             if (is_l1 and a_next < kTraceKbSlots) trace(kTraceKbIssue + a_next, true);
                         }
                     }
                     ok = claim_stage(stage_iter + kb);
                     if (not ok) break;
-                    if (kTaskLog and kb == 0) producer_log(6);
+                    if (kTaskLog and kb == 0) producer_log(kTaskStampClaimed);
                     if (kb == 0 and not ready and probe >= dep_target) {
                         fence_acq_rel_gpu();          // after the relaxed probe: an acquire of the dependency
                         fence_proxy_async_global();
@@ -1123,7 +1123,7 @@ struct Kernel {
                     }
                     for (; ready and a_next <= kb; ++a_next) {
                         issue_a(stage_iter + a_next), a_issued_end = stage_iter + a_next + 1;
-                        if (kTaskLog and a_next == 0) producer_log(7);
+                        if (kTaskLog and a_next == 0) producer_log(kTaskStampFirstA);
                         if (is_l1 and a_next < kTraceKbSlots) trace(kTraceKbIssue + a_next, true);
                     }
                 }
@@ -1133,7 +1133,7 @@ struct Kernel {
                         fence_proxy_async_global();
                         for (; a_next < task_kb; ++a_next) {
                             issue_a(stage_iter + a_next), a_issued_end = stage_iter + a_next + 1;
-                            if (kTaskLog and a_next == 0) producer_log(7);
+                            if (kTaskLog and a_next == 0) producer_log(kTaskStampFirstA);
                             if (is_l1 and a_next < kTraceKbSlots) trace(kTraceKbIssue + a_next, true);
                         }
                     }
@@ -1208,8 +1208,11 @@ struct Kernel {
     __device__ void log_task(const MathThread& mt, int k, uint64_t value = 0) const {
         if constexpr (kTaskLog) {
             if (mt.log >= 0)
-                p.trace[blockIdx.x * kTraceSlots + kTraceTaskBase + mt.log * kTraceTaskStamps + k] = k == 0 ? value : globaltimer_ns();
+                p.trace[blockIdx.x * kTraceSlots + kTraceTaskBase + mt.log * kTraceTaskStamps + k] = k == kTaskStampId ? value : globaltimer_ns();
         }
+    }
+    __device__ void log_task_id(const MathThread& mt, TraceTaskKind kind, int rows, int t) const {
+        log_task(mt, kTaskStampId, static_cast<uint64_t>(rows) << 40 | static_cast<uint64_t>(kind) << 32 | static_cast<uint32_t>(t));
     }
 
     // Leave-now decisions of the math side, taken by every thread of the group that meets at
@@ -1259,7 +1262,7 @@ struct Kernel {
     __device__ bool wait_full_l1(int kb, uint32_t stage_iter, const MathThread& mt) {
         if (not wait_full(stage_iter)) return false;
         if (mt.tracer and kb < kTraceKbSlots) {
-            if (kb == 0) trace(kTraceL1FirstStage, true), log_task(mt, 2);
+            if (kb == 0) trace(kTraceL1FirstStage, true), log_task(mt, kTaskStampFirstStage);
             if (mt.wg == 0) trace(kTraceKbReady + kb, true);
         }
         return true;
@@ -2466,8 +2469,7 @@ struct Kernel {
             }
             if (kTaskLog and mt.tracer) {
                 mt.log = mt.wg == 0 and logged < kTraceTasks and t >= tasks.pull_end() ? logged++ : -1;
-                log_task(mt, 0, (static_cast<uint64_t>(t < tasks.l1_end() ? 1 : t < tasks.l2_end() ? 2 : 3) << 32) | static_cast<uint32_t>(t));
-                log_task(mt, 1);
+                log_task(mt, kTaskStampGot);
             }
             if (t >= tasks.pull_end() and t < tasks.l1_end()) {
                 // split-K: consecutive tasks are the K parts of one tile (the scheduler's rule)
@@ -2476,12 +2478,12 @@ struct Kernel {
                 float acc[kL1Acc], row_w[2];
                 if (mt.tid == 0) trace(kTraceL1Begin, true);
                 const int le = expert_of_mblock(m), rows = valid_rows(m, le);
-                if (kTaskLog and mt.tracer) log_task(mt, 0, (static_cast<uint64_t>(rows) << 40) | (1ull << 32) | static_cast<uint32_t>(t));
+                if (kTaskLog and mt.tracer) log_task_id(mt, kTaskKindL1, rows, t);
                 if (kSplitN and rows <= kNarrowRows) {   // the producer applies the same rule (scheduler)
                     float gate[4], up[4], tok_w[2];
                     const int task_kb = lay.hidden / BLOCK_K / tasks.l1_split;
                     if (not narrow_l1_mainloop(m, task_kb, stage_iter, mt, gate, up, tok_w) or task_stages_dead(stage_iter)) break;
-                    log_task(mt, 3);
+                    log_task(mt, kTaskStampLoopEnd);
                     // split-K: only the tile's last finisher (sum of all parts) runs the epilogue
                     if (tasks.l1_split == 1 or split_l1_exchange(tile, idx % tasks.l1_split, tasks.l1_split, mt, gate, up))
                         narrow_l1_epilogue(m, j, rows, mt, gate, up, tok_w);
@@ -2491,7 +2493,7 @@ struct Kernel {
                         constexpr int kN = decltype(n)::value;
                         float gate[kN / 2], up[kN / 2];
                         if (not transposed_l1_mainloop<kN>(stage_iter, mt, gate, up) or task_stages_dead(stage_iter)) return false;
-                        log_task(mt, 3);
+                        log_task(mt, kTaskStampLoopEnd);
                         transposed_l1_epilogue<kN>(m, j, rows, mt, gate, up);
                         return true;
                     };
@@ -2500,13 +2502,13 @@ struct Kernel {
                 } else if constexpr (kTransposedWide) {   // N = 64 only (the lambda above changes this kernel's SASS)
                     float gate[32], up[32];
                     if (not transposed_l1_mainloop<64>(stage_iter, mt, gate, up) or task_stages_dead(stage_iter)) break;
-                    log_task(mt, 3);
+                    log_task(mt, kTaskStampLoopEnd);
                     transposed_l1_epilogue<64>(m, j, rows, mt, gate, up);
                 } else {
                     // Never split (l1_split > 1 only when every tile is narrow: max_tokens <= kNarrowRows
                     // in build_layout); the wide loop runs all of H's K-blocks, as the producer streams them
                     if (not l1_mainloop(m, stage_iter, mt, acc, row_w) or task_stages_dead(stage_iter)) break;
-                    log_task(mt, 3);
+                    log_task(mt, kTaskStampLoopEnd);
                     epilogue_tile_free();
                     l1_epilogue(m, j, rows, mt, acc, row_w);
                 }
@@ -2516,18 +2518,18 @@ struct Kernel {
                 float acc[kL2Acc];
                 if (mt.tid == 0) trace(kTraceL2Begin, true);
                 const int le = expert_of_mblock(m), rows = valid_rows(m, le);
-                if (kTaskLog and mt.tracer) log_task(mt, 0, (static_cast<uint64_t>(rows) << 40) | (2ull << 32) | static_cast<uint32_t>(t));
+                if (kTaskLog and mt.tracer) log_task_id(mt, kTaskKindL2, rows, t);
                 if (kSplitN and rows <= kNarrowRows) {   // the producer applies the same rule (scheduler)
                     float narrow_acc[4 * kL2Tiles];
                     if (not narrow_l2_mainloop(stage_iter, mt, narrow_acc) or task_stages_dead(stage_iter)) break;
-                    log_task(mt, 3);
+                    log_task(mt, kTaskStampLoopEnd);
                     narrow_l2_epilogue(m, j, rows, mt, narrow_acc);
                 } else if constexpr (kTransposedWide and (kWideN16 or kWideN32)) {   // one pass over the task's B rows, as a narrow tile (scheduler)
                     const auto run = [&](auto n) {
                         constexpr int kN = decltype(n)::value;
                         float wide_acc[kN / 2 * kL2Tiles];
                         if (not transposed_l2_mainloop<kN>(stage_iter, mt, wide_acc) or task_stages_dead(stage_iter)) return false;
-                        log_task(mt, 3);
+                        log_task(mt, kTaskStampLoopEnd);
                         transposed_l2_epilogue<kN>(m, j, rows, mt, wide_acc);
                         return true;
                     };
@@ -2536,30 +2538,31 @@ struct Kernel {
                 } else if constexpr (kTransposedWide) {
                     float wide_acc[32 * kL2Tiles];
                     if (not transposed_l2_mainloop<64>(stage_iter, mt, wide_acc) or task_stages_dead(stage_iter)) break;
-                    log_task(mt, 3);
+                    log_task(mt, kTaskStampLoopEnd);
                     transposed_l2_epilogue<64>(m, j, rows, mt, wide_acc);
                 } else if constexpr (kL2Tiles == 1) {
                     if (not l2_mainloop(stage_iter, mt, acc) or task_stages_dead(stage_iter)) break;
-                    log_task(mt, 3);
+                    log_task(mt, kTaskStampLoopEnd);
                     epilogue_tile_free();
                     l2_epilogue(m, j, rows, mt, acc);
                 } else {   // a 256-wide task of a wide M-block: its two 128-column tiles, as the producer streams them
                     if (not l2_mainloop(stage_iter, mt, acc) or task_stages_dead(stage_iter)) break;
-                    log_task(mt, 3);
+                    log_task(mt, kTaskStampLoopEnd);
                     l2_epilogue<false>(m, 2 * j, rows, mt, acc);
                     if (not l2_mainloop(stage_iter, mt, acc) or task_stages_dead(stage_iter)) break;
-                    log_task(mt, 3);
+                    log_task(mt, kTaskStampLoopEnd);
                     l2_epilogue(m, 2 * j + 1, rows, mt, acc);
                 }
                 if (mt.tid == 0) trace(kTraceL2End);
             } else if (is_combine) {
+                if (kTaskLog and mt.tracer) log_task_id(mt, kTaskKindCombine, 0, t);
                 if constexpr (kBulkCombine)
                     combine_bulk(t - tasks.l2_end(), mt, combine_batches, [&] { release_task(i); });
                 else
                     combine<kMathCombineSlots>(t - tasks.l2_end(), 128 * mt.wg + mt.tid, mt.tid, 128, kBarrierMathBase + mt.wg,
                                                [&] { release_task(i); });
             }
-            if (kTaskLog and mt.tracer) log_task(mt, 4);
+            if (kTaskLog and mt.tracer) log_task(mt, kTaskStampEnd);
         }
     }
 
