@@ -68,6 +68,9 @@ constexpr uint32_t kStageSuspendNs = 2000;
 #define DG_MEGA_MOE_TASK_LOG 0
 #endif
 constexpr bool kTaskLog = DG_MEGA_MOE_TASK_LOG;
+// A math task's completion signal raised at the start of the thread's next task rather than at the
+// end of its epilogue (Kernel::raise_signals; the kernels it applies to: kDeferTaskSignals)
+constexpr bool kDeferSignals = true;
 
 struct SharedControl {
     int first_task;
@@ -304,6 +307,22 @@ struct Kernel {
     Smem sm;
     Tasks tasks;
     uint32_t epoch;
+    // A task's completion signal that thread 0 of a math warpgroup still owes: the M-block of an L1
+    // task (its l1_done count) or an L2 task (the rank's L2 count). Owed from the epilogue's barrier
+    // (a release after it still covers every thread's stores: cumulativity) to raise_signals() at
+    // the thread's next task, after the task-start barrier and before the math waits for anything
+    // of that task (its first stage may belong to an L2 task of the same M-block, whose A tile the
+    // producer issues only after this count: no wait depends on a signal still owed). The fence's
+    // wait for the epilogue's stores then runs in warp 0 while the other warps start the next task,
+    // instead of in front of the task-start barrier that every math thread meets.
+    // FP8 x FP4 decode kernels only (docs/PERF.md, session 20): there it gained 0.3-1.8 % at every
+    // row timed; the FP8 and BF16 decode kernels lost 1-4 % at one token and were even elsewhere;
+    // in the 128-row kernels, whose loops sit at ptxas's register limit, the two registers across
+    // the task loop put local accesses into the K-loops (SASS). Every other kernel compiles to the
+    // SASS it has without the deferral.
+    static constexpr bool kDeferTaskSignals = kDeferSignals and kFP4 and BLOCK_M == 64;
+    int owed_l1_m = -1;
+    bool owed_l2 = false;
 
     __device__ Kernel(const MegaMoEParams& params, uint8_t* smem_base) : p(params), lay(params.layout), sm(smem_base) {}
 
@@ -1668,7 +1687,7 @@ struct Kernel {
         // every thread's writes (cumulativity: the barrier orders them before it).
         fence_proxy_async_global();
         named_barrier(kBarrierMathBase + mt.wg, 128);
-        if (mt.tid == 0) red_release_gpu_add(mine<uint32_t>(lay.mblock_l1_done) + m, 1);
+        if (mt.tid == 0) signal_l1_done(m);
     }
 
     // L2 epilogue: BF16 rows straight into the source rank's combine slot [k][token][hidden]. Each
@@ -1712,10 +1731,26 @@ struct Kernel {
     __device__ void finish_l2_task(const MathThread& mt) {
         named_barrier(kBarrierMathBase + mt.wg, 128);
         if (mt.tid == 0) {
-            fence_peers();
-            const uint32_t target = static_cast<uint32_t>(tasks.num_mblocks * tasks.num_l2_nblocks * kNumMathWGs);
-            if (atom_acq_rel_gpu_add(mine<uint32_t>(lay.control) + L::kControlL2TasksDone, 1) + 1 == target)
-                signal_combine_ready();
+            if constexpr (kDeferTaskSignals) owed_l2 = true;
+            else count_l2_task();
+        }
+    }
+    __device__ void count_l2_task() {
+        fence_peers();
+        const uint32_t target = static_cast<uint32_t>(tasks.num_mblocks * tasks.num_l2_nblocks * kNumMathWGs);
+        if (atom_acq_rel_gpu_add(mine<uint32_t>(lay.control) + L::kControlL2TasksDone, 1) + 1 == target)
+            signal_combine_ready();
+    }
+    // release (thread 0 of a warpgroup, after the epilogue's barrier: cumulativity covers every
+    // thread's rows and scales): the L2 tasks of M-block m may read its L1 outputs
+    __device__ void signal_l1_done(int m) {
+        if constexpr (kDeferTaskSignals) owed_l1_m = m;
+        else red_release_gpu_add(mine<uint32_t>(lay.mblock_l1_done) + m, 1);
+    }
+    __device__ void raise_signals() {
+        if constexpr (kDeferTaskSignals) {
+            if (owed_l1_m >= 0) red_release_gpu_add(mine<uint32_t>(lay.mblock_l1_done) + owed_l1_m, 1), owed_l1_m = -1;
+            if (owed_l2) owed_l2 = false, count_l2_task();
         }
     }
 
@@ -1963,7 +1998,7 @@ struct Kernel {
         // warpgroup after the barrier (the L2 dependency counts kNumMathWGs per L1 task)
         fence_proxy_async_global();
         named_barrier(kBarrierMathAll, kNumMathThreads);
-        if (mt.tid == 0) red_release_gpu_add(mine<uint32_t>(lay.mblock_l1_done) + m, 1);
+        if (mt.tid == 0) signal_l1_done(m);
     }
 
     // L2 on a narrow tile of kL2BlockN output columns: warpgroup w runs the kL2Tiles 64-row wgmma M
@@ -2235,7 +2270,7 @@ struct Kernel {
         // release, as the narrow tile
         fence_proxy_async_global();
         named_barrier(kBarrierMathAll, kNumMathThreads);
-        if (mt.tid == 0) red_release_gpu_add(mine<uint32_t>(lay.mblock_l1_done) + m, 1);
+        if (mt.tid == 0) signal_l1_done(m);
     }
 
     // L2 (as narrow_l2_mainloop): warpgroup w's kL2Tiles 64-row M tiles of the B tile
@@ -2463,7 +2498,9 @@ struct Kernel {
                 if (is_combine) fence_proxy_async_shared();
             }
             // Leave together: the math warpgroups meet at barriers and wgmma until the task ends
-            if (math_any(t >= total or sm.ctrl->abort, mt)) {
+            const bool leave = math_any(t >= total or sm.ctrl->abort, mt);
+            raise_signals();
+            if (leave) {
                 if (is_combine) release_task(i);
                 break;
             }
