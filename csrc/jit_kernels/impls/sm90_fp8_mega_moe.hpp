@@ -226,6 +226,14 @@ inline MegaMoEConfig launch_sm90_mega_moe(const SM90MegaMoEArgs& a) {
     params.num_prefetch_stages = prefetch_override.first >= 0 ? std::min(prefetch_override.first, config.num_stages) : config.num_prefetch_stages;
     params.num_prefetch_stages_l2 = prefetch_override.second >= 0 ? std::min(prefetch_override.second, config.num_stages) : config.num_prefetch_stages_l2;
     params.l1_split_max = mega_moe_l1_split_max(a.mma_type);
+    // An FP8 x FP4 code block (8 KB, contiguous) is copied as 64 rows of 128 bytes, not as the
+    // 128 weight rows of 64 bytes it holds: the same bytes land at the same shared-memory offsets
+    // (unswizzled), with half the box rows for the TMA unit to walk per stage (-0.5 to -1.1 % at
+    // every FP8 x FP4 decode row, docs/PERF.md session 20). DG_MEGA_MOE_FP4_CODE_ROW=64 (tuning
+    // aid): the 64-byte rows, for A/B
+    static const int code_row_override = read_env_choice("DG_MEGA_MOE_FP4_CODE_ROW", {"64", "128"});
+    const uint64_t code_row = code_row_override > 0 ? code_row_override : 2 * kMegaMoEPackedRowBytes;
+    params.fp4_code_box_rows = static_cast<int>(128 * kMegaMoEPackedRowBytes / code_row);
 
     const auto& lay = params.layout;
     const bool fp8 = is_fp8_activation(a.mma_type);
@@ -236,14 +244,15 @@ inline MegaMoEConfig launch_sm90_mega_moe(const SM90MegaMoEArgs& a) {
     const uint64_t h = a.hidden, i = a.intermediate_hidden, e = lay.num_local_experts, rows = lay.num_pool_rows;
     CUtensorMap tm_l1_act = make_kmajor_tma(own + lay.l1_act.offset, dtype, h, rows, bk, config.block_m, h * act);
     // FP8 x FP4 weights: blocks of 128 rows x 64 packed bytes, one per 128 x 128 weight block and
-    // contiguous ([E, N/128, K/128, 8192], transform.py), seen as rows of 64 bytes; a box is one
+    // contiguous ([E, N/128, K/128, 8192], transform.py), seen as rows of code_row bytes (above); a box is one
     // block (L2's one-block loads; the pair maps below take two), unswizzled (the math warpgroups expand it
     // into the swizzled E4M3 tile or, on narrow tiles, into wgmma A fragments; the transform permutes
     // each row's 64 bytes for those loads, mega_moe_fp4_packed_byte)
     const bool fp4 = a.mma_type == MmaType::kFP8xFP4;
     const auto w_tma = [&](int64_t ptr, uint64_t k, uint64_t rows, uint32_t box_rows) {
-        return fp4 ? make_kmajor_tma(ptr, CU_TENSOR_MAP_DATA_TYPE_UINT8, kMegaMoEPackedRowBytes, rows * (k / 128),
-                                     kMegaMoEPackedRowBytes, 128, kMegaMoEPackedRowBytes, CU_TENSOR_MAP_SWIZZLE_NONE)
+        return fp4 ? make_kmajor_tma(ptr, CU_TENSOR_MAP_DATA_TYPE_UINT8, code_row, rows * (k / 128) * kMegaMoEPackedRowBytes / code_row,
+                                     static_cast<uint32_t>(code_row), static_cast<uint32_t>(params.fp4_code_box_rows), code_row,
+                                     CU_TENSOR_MAP_SWIZZLE_NONE)
                    : make_kmajor_tma(ptr, dtype, k, rows, bk, box_rows, k * act);
     };
     CUtensorMap tm_l1_w = w_tma(a.l1_weights, h, e * 2 * i, kMegaMoEBlockNL1);
@@ -251,15 +260,16 @@ inline MegaMoEConfig launch_sm90_mega_moe(const SM90MegaMoEArgs& a) {
     CUtensorMap tm_l2_w = w_tma(a.l2_weights, i, e * h, kMegaMoEBlockNL2);
     // FP8 x FP4: a stage of a 256-row tile (L1's gate/up pair, a narrow 256-wide L2 tile) takes the
     // two 128-row blocks of a pair with one copy for the codes and one for the deltas: the codes as
-    // [row blocks][K-blocks][128 rows][64 bytes] in boxes {64, 128, 1, 2}, the deltas as
+    // [row blocks][K-blocks][8 KB as rows of code_row bytes] in boxes {code_row, 8192 / code_row, 1, 2}, the deltas as
     // [row blocks][K-blocks][128 x 4 bytes] in boxes {128, 1, 2} (32-bit elements). L1 stages are
     // always pairs (its code map is the pair map); L2 keeps its one-block map for the other tiles.
     // Other formats get placeholders (never read).
     const auto pair_codes = [&](int64_t ptr, uint64_t k, uint64_t rows) {
         const uint64_t kbs = k / 128, block = 128 * kMegaMoEPackedRowBytes;
         return jit::make_tma<4>(reinterpret_cast<void*>(ptr), CU_TENSOR_MAP_DATA_TYPE_UINT8,
-                                {jit::TmaDim{kMegaMoEPackedRowBytes, kMegaMoEPackedRowBytes, 0, "packed row bytes", "packed row bytes", "-"},
-                                 jit::TmaDim{128, 128, kMegaMoEPackedRowBytes, "block rows", "block rows", "packed row bytes"},
+                                {jit::TmaDim{code_row, static_cast<uint32_t>(code_row), 0, "packed row bytes", "packed row bytes", "-"},
+                                 jit::TmaDim{static_cast<uint64_t>(params.fp4_code_box_rows), static_cast<uint32_t>(params.fp4_code_box_rows),
+                                             code_row, "block rows", "block rows", "packed row bytes"},
                                  jit::TmaDim{kbs, 1, block, "K-blocks", "one K-block", "block bytes"},
                                  jit::TmaDim{rows / 128, 2, kbs * block, "row blocks", "row-block pair", "row-block bytes"}},
                                 CU_TENSOR_MAP_SWIZZLE_NONE);

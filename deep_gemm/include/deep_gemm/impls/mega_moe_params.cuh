@@ -216,6 +216,8 @@ struct MegaMoEParams {
     uint64_t* trace;                    // [grid][kTraceSlots] %globaltimer stamps (scripts/trace.py), or nullptr
     int num_prefetch_stages;            // weight stages an L1 task streams before its inputs are ready
     int num_prefetch_stages_l2;         // the same for an L2 task (before its M-block's L1 is done)
+    int fp4_code_box_rows;              // FP8 x FP4: rows of an 8 KB code block in its tensor maps (64 of 128
+                                        // bytes; 128 of 64 under DG_MEGA_MOE_FP4_CODE_ROW=64)
     // Every rank's buffer is on this GPU (EP1, virtual ranks): the cross-rank signals (counts,
     // combine rows and flags) need gpu scope only; else sys scope (peers over NVLink)
     int peers_on_this_gpu;

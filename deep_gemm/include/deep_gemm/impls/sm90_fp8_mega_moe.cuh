@@ -1064,17 +1064,17 @@ struct Kernel {
                 if constexpr (kFP4) {
                     if (b_rows == 2 * kMegaMoEBlockNL2) {
                         // A row-block pair (L1: gate 2j and up 2j + 1; a narrow 256-wide L2 tile): its two
-                        // 8 KB code blocks in one 4-D box {64 bytes, 128 rows, K-block kb, 2 row blocks}
+                        // 8 KB code blocks in one 4-D box {row bytes, block rows, K-block kb, 2 row blocks}
                         // and its two delta blocks in one 3-D box, each landing as the pair's two blocks
                         // back to back, as the per-block copies below put them
                         tma_load_4d(sm.stage_b(s), is_l1 ? tm_l1_w : tm.l2_w_pair, sm.full + s, 0, 0, kb, row_block0);
                         tma_load_3d(sm.stage_deltas(s), is_l1 ? tm.l1_d_pair : tm.l2_d_pair, sm.full + s, 0, kb, row_block0);
                     } else {
                         // Per 128-row block: its packed codes (one contiguous 8 KB block, a TMA box of
-                        // 128 rows of 64 bytes) and its deltas (512 bytes)
+                        // p.fp4_code_box_rows rows: the map's view of the block) and its deltas (512 bytes)
                         for (int rb = 0; rb < b_rows / 128; ++rb) {
                             const int64_t block = block0 + static_cast<int64_t>(rb) * num_kb + kb;
-                            tma_load_2d(sm.stage_b(s) + rb * 128 * kMegaMoEPackedRowBytes, tm_w, sm.full + s, 0, static_cast<int>(block * 128));
+                            tma_load_2d(sm.stage_b(s) + rb * 128 * kMegaMoEPackedRowBytes, tm_w, sm.full + s, 0, static_cast<int>(block * p.fp4_code_box_rows));
                             bulk_load(sm.stage_deltas(s) + rb * kMegaMoEDeltaBlockBytes, deltas + block * kMegaMoEDeltaBlockBytes,
                                       kMegaMoEDeltaBlockBytes, sm.full + s);
                         }
