@@ -84,6 +84,13 @@ def trace_case(fmt, h, i, e, k, n, reps=3, flush=None, code_warm=False):
         fmt_us = lambda v: ' '.join(f'{(x - t0) / 1e3:6.2f}' if x > 0 else '     -' for x in v.tolist())
         print(f'  CTA {int(r)} K-block ready: {fmt_us(ready[r])}')
         print(f'  CTA {int(r)} A issued:      {fmt_us(issue[r])}')
+        # task-log kernels: the same CTA's last L1 task, its first K-blocks: math ready, producer
+        # stage free (empty wait done) and A issued, math released
+        last = [(name, t[r, s:s + kb_slots]) for name, s in (('ready', _C.kTraceKbLastReady), ('stage free', _C.kTraceKbLastFree),
+                                                              ('A issued', _C.kTraceKbLastIssue), ('released', _C.kTraceKbLastRelease))]
+        if any((v > 0).any() for _, v in last):
+            for name, v in last:
+                print(f'  CTA {int(r)} last L1 task {name:>10}: {fmt_us(v)}')
     if os.environ.get('DG_MEGA_MOE_TASK_LOG') == '1':
         print_task_log(t, t0)
 

@@ -202,6 +202,10 @@ inline void register_apis(pybind11::module_& m) {
     m.attr("kTraceSlots") = static_cast<int>(kTraceSlots);
     m.attr("kTraceKbReady") = static_cast<int>(kTraceKbReady);
     m.attr("kTraceKbIssue") = static_cast<int>(kTraceKbIssue);
+    m.attr("kTraceKbLastReady") = static_cast<int>(kTraceKbLastReady);
+    m.attr("kTraceKbLastFree") = static_cast<int>(kTraceKbLastFree);
+    m.attr("kTraceKbLastIssue") = static_cast<int>(kTraceKbLastIssue);
+    m.attr("kTraceKbLastRelease") = static_cast<int>(kTraceKbLastRelease);
     m.attr("kTraceKbSlots") = static_cast<int>(kTraceKbSlots);
     m.attr("kTraceTaskBase") = static_cast<int>(kTraceTaskBase);
     m.attr("kTraceTasks") = static_cast<int>(kTraceTasks);

@@ -195,7 +195,13 @@ enum TraceSlot : int {
     kTraceKbReady = 16, kTraceKbIssue = 32, kTraceKbSlots = 16,
     // The task log: the first kTraceTasks L1 / L2 / combine tasks of each CTA, one TraceTaskStamp each
     kTraceTaskBase = 48, kTraceTasks = 16, kTraceTaskStamps = kTaskStampCount,
-    kTraceSlots = kTraceTaskBase + kTraceTasks * kTraceTaskStamps
+    // Task-log kernels only: the last L1 task of each CTA (its first K-blocks, kb < 16 of the task):
+    // when the math had the stage (warpgroup 0's tracer), when the producer had it free (its
+    // empty-barrier wait done) and issued its A tile, and when the tracer released it. Last-writer
+    // stamps: in a many-task call a task in the middle of the run, in a one-token call its only one
+    kTraceKbLastReady = kTraceTaskBase + kTraceTasks * kTraceTaskStamps, kTraceKbLastFree = kTraceKbLastReady + kTraceKbSlots,
+    kTraceKbLastIssue = kTraceKbLastFree + kTraceKbSlots, kTraceKbLastRelease = kTraceKbLastIssue + kTraceKbSlots,
+    kTraceSlots = kTraceKbLastRelease + kTraceKbSlots
 };
 
 struct MegaMoEParams {

@@ -958,6 +958,10 @@ struct Kernel {
             }
             mbarrier_arrive(sm.full + s);
         };
+        // Task-log kernels: A tile of K-block kb (of the task) issued (kTraceKbLastIssue)
+        [[maybe_unused]] const auto trace_last_issue = [&](int kb) {
+            if constexpr (kTaskLog) trace(kTraceKbLastIssue + kb);
+        };
         // Task log (kTaskLog kernels, traced calls): this thread's stamps 5-9 of the entry the math
         // gives the same task (both count the tasks past the pull in ring order)
         [[maybe_unused]] int plog = -1, plogged = 0;
@@ -1061,6 +1065,9 @@ struct Kernel {
                 if (kTaskLog and it == stage_iter) producer_log(kTaskStampStageFree);
                 mbarrier_expect_tx(sm.full + s, stage_bytes);
                 const int kb = static_cast<int>(it - stage_iter) + kb0;
+                if constexpr (kTaskLog) {
+                    if (is_l1 and it - stage_iter < kTraceKbSlots) trace(kTraceKbLastFree + static_cast<int>(it - stage_iter));
+                }
                 if constexpr (kFP4) {
                     if (b_rows == 2 * kMegaMoEBlockNL2) {
                         // A row-block pair (L1: gate 2j and up 2j + 1; a narrow 256-wide L2 tile): its two
@@ -1129,7 +1136,7 @@ struct Kernel {
                         for (; a_next < kb; ++a_next) {
                             issue_a(stage_iter + a_next), a_issued_end = stage_iter + a_next + 1;
                             if (kTaskLog and a_next == 0) producer_log(kTaskStampFirstA);
-                            if (is_l1 and a_next < kTraceKbSlots) trace(kTraceKbIssue + a_next, true);
+                            if (is_l1 and a_next < kTraceKbSlots) trace(kTraceKbIssue + a_next, true), trace_last_issue(a_next);
                         }
                     }
                     ok = claim_stage(stage_iter + kb);
@@ -1143,7 +1150,7 @@ struct Kernel {
                     for (; ready and a_next <= kb; ++a_next) {
                         issue_a(stage_iter + a_next), a_issued_end = stage_iter + a_next + 1;
                         if (kTaskLog and a_next == 0) producer_log(kTaskStampFirstA);
-                        if (is_l1 and a_next < kTraceKbSlots) trace(kTraceKbIssue + a_next, true);
+                        if (is_l1 and a_next < kTraceKbSlots) trace(kTraceKbIssue + a_next, true), trace_last_issue(a_next);
                     }
                 }
                 if (ok and not ready) {   // every K-block was prefetched: wait, then all A tiles
@@ -1153,7 +1160,7 @@ struct Kernel {
                         for (; a_next < task_kb; ++a_next) {
                             issue_a(stage_iter + a_next), a_issued_end = stage_iter + a_next + 1;
                             if (kTaskLog and a_next == 0) producer_log(kTaskStampFirstA);
-                            if (is_l1 and a_next < kTraceKbSlots) trace(kTraceKbIssue + a_next, true);
+                            if (is_l1 and a_next < kTraceKbSlots) trace(kTraceKbIssue + a_next, true), trace_last_issue(a_next);
                         }
                     }
                 }
@@ -1283,8 +1290,15 @@ struct Kernel {
         if (mt.tracer and kb < kTraceKbSlots) {
             if (kb == 0) trace(kTraceL1FirstStage, true), log_task(mt, kTaskStampFirstStage);
             if (mt.wg == 0) trace(kTraceKbReady + kb, true);
+            if (kTaskLog and mt.wg == 0) trace(kTraceKbLastReady + kb);
         }
         return true;
+    }
+    // Task-log kernels: when warpgroup 0's tracer released K-block kb of an L1 task (kTraceKbLastRelease)
+    __device__ void trace_l1_release(int kb, const MathThread& mt) const {
+        if constexpr (kTaskLog) {
+            if (mt.tracer and mt.wg == 0 and kb < kTraceKbSlots) trace(kTraceKbLastRelease + kb);
+        }
     }
     // Every lane's reads of the stage (wgmma and the scales in it) happen before its warp's arrival
     __device__ void release_stage(uint32_t stage_iter, const MathThread& mt) {
@@ -1859,7 +1873,7 @@ struct Kernel {
                 mma::warpgroup_wait<0>();
                 mma::fence_operands(part_g), mma::fence_operands(part_u);
                 if constexpr (kFP4) mma::fence_fragments(ag), mma::fence_fragments(au);
-                release_stage(stage_iter, mt);
+                release_stage(stage_iter, mt); trace_l1_release(kb, mt);
                 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
                     gate[i] += part_g[i] * ((i & 1) ? sa1 * sg : sa0 * sg);
@@ -1874,7 +1888,7 @@ struct Kernel {
                 if (kb == 0) read_token_weights();
                 mma::warpgroup_wait<0>();
                 mma::fence_operands(gate), mma::fence_operands(up);
-                release_stage(stage_iter, mt);
+                release_stage(stage_iter, mt); trace_l1_release(kb, mt);
             }
         }
         return true;
@@ -2186,7 +2200,7 @@ struct Kernel {
                 #pragma unroll
                 for (int i = 0; i < (kN / 2); ++i) gate[i] += part[i] * (sa[wide_slot(i)] * sg);
             });
-            release_stage(stage_iter, mt);
+            release_stage(stage_iter, mt); trace_l1_release(kb, mt);
             #pragma unroll
             for (int i = 0; i < (kN / 2); ++i) up[i] += part_u[i] * (sa[wide_slot(i)] * su);
         }
