@@ -315,8 +315,9 @@ struct Kernel {
     // producer issues only after this count: no wait depends on a signal still owed). The fence's
     // wait for the epilogue's stores then runs in warp 0 while the other warps start the next task,
     // instead of in front of the task-start barrier that every math thread meets.
-    // FP8 x FP4 decode kernels only (docs/PERF.md, session 20): there it gained 0.3-1.8 % at every
-    // row timed; the FP8 and BF16 decode kernels lost 1-4 % at one token and were even elsewhere;
+    // FP8 x FP4 decode kernels only (docs/PERF.md, session 20): there it gained 0.5-2.5 % at every
+    // row timed but mid at one token (+2 %); the FP8 and BF16 decode kernels lost 1-4 % at one token
+    // and were even elsewhere;
     // in the 128-row kernels, whose loops sit at ptxas's register limit, the two registers across
     // the task loop put local accesses into the K-loops (SASS). Every other kernel compiles to the
     // SASS it has without the deferral.
