@@ -68,9 +68,6 @@ constexpr uint32_t kStageSuspendNs = 2000;
 #define DG_MEGA_MOE_TASK_LOG 0
 #endif
 constexpr bool kTaskLog = DG_MEGA_MOE_TASK_LOG;
-// A math task's completion signal raised at the start of the thread's next task rather than at the
-// end of its epilogue (Kernel::raise_signals; the kernels it applies to: kDeferTaskSignals)
-constexpr bool kDeferSignals = true;
 
 struct SharedControl {
     int first_task;
@@ -321,7 +318,7 @@ struct Kernel {
     // in the 128-row kernels, whose loops sit at ptxas's register limit, the two registers across
     // the task loop put local accesses into the K-loops (SASS). Every other kernel compiles to the
     // SASS it has without the deferral.
-    static constexpr bool kDeferTaskSignals = kDeferSignals and kFP4 and BLOCK_M == 64;
+    static constexpr bool kDeferTaskSignals = kFP4 and BLOCK_M == 64;
     int owed_l1_m = -1;
     bool owed_l2 = false;
 
@@ -1758,13 +1755,15 @@ struct Kernel {
     }
     // release (thread 0 of a warpgroup, after the epilogue's barrier: cumulativity covers every
     // thread's rows and scales): the L2 tasks of M-block m may read its L1 outputs
+    __device__ void count_l1_task(int m) { red_release_gpu_add(mine<uint32_t>(lay.mblock_l1_done) + m, 1); }
     __device__ void signal_l1_done(int m) {
         if constexpr (kDeferTaskSignals) owed_l1_m = m;
-        else red_release_gpu_add(mine<uint32_t>(lay.mblock_l1_done) + m, 1);
+        else count_l1_task(m);
     }
+    // The signals thread 0 owes (kDeferTaskSignals; see owed_l1_m)
     __device__ void raise_signals() {
         if constexpr (kDeferTaskSignals) {
-            if (owed_l1_m >= 0) red_release_gpu_add(mine<uint32_t>(lay.mblock_l1_done) + owed_l1_m, 1), owed_l1_m = -1;
+            if (owed_l1_m >= 0) count_l1_task(owed_l1_m), owed_l1_m = -1;
             if (owed_l2) owed_l2 = false, count_l2_task();
         }
     }
