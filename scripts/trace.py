@@ -14,7 +14,11 @@ not use (its weights cold, the code warm).
 L2 / combine tasks of each CTA, when the math read each from the ring, had its first L1 stage, ended
 its K-loop and its epilogue, and when the producer ("P") put its ticket in the ring, had decoded it,
 had its first stage free, had claimed it (B issued) and issued its first A tile) and prints, per task kind, the spread of those steps, the gaps
-between a CTA's tasks and the CTAs that end last. Prebuild those variants with the same variable set.
+between a CTA's tasks and the CTAs that end last; also the first K-blocks of each CTA's last L1 task.
+--tasks-light (DG_MEGA_MOE_TASK_LOG=2): the per-task stamps only (no per-K-block stamps: those of
+--tasks cost the producer thread, whose pace sets a decode K-loop's, so that its kernel runs ~25 %
+slower at v4-flash FP8 x FP4 n = 8; the light one runs at the untraced kernel's time, docs/PERF.md
+session 21). Prebuild those variants with the same variable set.
 """
 import dataclasses
 import os
@@ -22,6 +26,8 @@ import sys
 
 if '--tasks' in sys.argv:   # read once per process, at the first kernel build
     os.environ['DG_MEGA_MOE_TASK_LOG'] = '1'
+if '--tasks-light' in sys.argv:
+    os.environ['DG_MEGA_MOE_TASK_LOG'] = '2'
 
 import torch
 
@@ -91,7 +97,7 @@ def trace_case(fmt, h, i, e, k, n, reps=3, flush=None, code_warm=False):
         if any((v > 0).any() for _, v in last):
             for name, v in last:
                 print(f'  CTA {int(r)} last L1 task {name:>10}: {fmt_us(v)}')
-    if os.environ.get('DG_MEGA_MOE_TASK_LOG') == '1':
+    if os.environ.get('DG_MEGA_MOE_TASK_LOG') in ('1', '2'):
         print_task_log(t, t0)
 
 
@@ -179,7 +185,7 @@ def warm_up_gpu(seconds=1.0):
 
 if __name__ == '__main__':
     warm_up_gpu()
-    args = [a for a in sys.argv[1:] if a != '--tasks']
+    args = [a for a in sys.argv[1:] if a not in ('--tasks', '--tasks-light')]
     flush = None
     code_warm = False
     if args and args[0] in ('--cold', '--cold-read', '--cold-code-warm'):

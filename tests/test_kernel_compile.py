@@ -186,20 +186,26 @@ class _FakeWeights:
 
 
 def test_task_log_variant_compiles_apart(requires_nvcc):
-    """DG_MEGA_MOE_TASK_LOG=1 (scripts/trace.py --tasks) builds kernels of their own (name suffix
-    `_tasklog`, a cache entry apart), so the task log's stamps stay out of every other variant's SASS;
-    any other value than 0 / 1 is refused by name. In a child: the variable is read once per process."""
+    """DG_MEGA_MOE_TASK_LOG=1 (scripts/trace.py --tasks) and =2 (--tasks-light: per-task stamps only)
+    build kernels of their own (name suffixes `_tasklog`, `_tasklight`, cache entries apart), so the
+    task log's stamps stay out of every other variant's SASS; any other value than 0 / 1 / 2 is
+    refused by name. In a child: the variable is read once per process."""
     code = ("import os; from deep_gemm import _C; from deep_gemm.mega.buffer import mma_type_to_int; "
             "print(_C.compile_mega_moe(mma_type_to_int('fp8xfp8'), 64, 5, True, 128, 64))")
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get('PYTHONPATH', ''), DG_MEGA_MOE_TASK_LOG='1')
-    run = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env=env, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    kernel_dir = run.stdout.strip().splitlines()[-1]
-    assert '_tasklog' in os.path.basename(kernel_dir), kernel_dir
-    with open(os.path.join(kernel_dir, 'kernel.cubin'), 'rb') as f:
-        assert f.read(4) == b'\x7fELF'
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get('PYTHONPATH', ''))
+    dirs = {}
+    for level, suffix in (('1', '_tasklog'), ('2', '_tasklight')):
+        env['DG_MEGA_MOE_TASK_LOG'] = level
+        run = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env=env, timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+        dirs[level] = kernel_dir = run.stdout.strip().splitlines()[-1]
+        assert os.path.basename(kernel_dir).split('_')[-2] == suffix[1:], kernel_dir
+        with open(os.path.join(kernel_dir, 'kernel.cubin'), 'rb') as f:
+            assert f.read(4) == b'\x7fELF'
+        with open(os.path.join(kernel_dir, 'kernel.cu')) as f:
+            assert f'#define DG_MEGA_MOE_TASK_LOG {level}' in f.read()
     plain = _C.compile_mega_moe(mma_type_to_int('fp8xfp8'), 64, 5, True, 128, 64)
-    assert '_tasklog' not in os.path.basename(plain) and plain != kernel_dir
+    assert '_task' not in os.path.basename(plain) and plain not in dirs.values() and dirs['1'] != dirs['2']
     env['DG_MEGA_MOE_TASK_LOG'] = 'yes'
     run = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode != 0 and 'DG_MEGA_MOE_TASK_LOG' in run.stderr, run.stderr[-2000:]

@@ -157,12 +157,15 @@ def test_fp4_transposed_tiles_wide_n_32(experts_allowed):
 # scripts/trace.py --tasks (the DG_MEGA_MOE_TASK_LOG=1 kernels, read once per process: a subprocess)
 # logs each CTA's L1 / L2 / combine tasks; at the small shape every CTA runs fewer than the log's 16,
 # so the log holds every task of the call: as many L1 and L2 tasks as the call has (split-K off: one
-# L1 task per tile), each with its steps in order
-def test_trace_task_log_on_the_gpu():
+# L1 task per tile), each with its steps in order. --tasks also stamps K-blocks of each CTA's last L1
+# task; --tasks-light (DG_MEGA_MOE_TASK_LOG=2) keeps the per-task stamps only.
+@pytest.mark.parametrize('flag', ['--tasks', '--tasks-light'])
+def test_trace_task_log_on_the_gpu(flag):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     hidden, inter, experts, topk, n = 512, 256, 16, 4, 7
     env = dict(os.environ, DG_MEGA_MOE_L1_SPLIT='1', PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get('PYTHONPATH')])))
-    cmd = [sys.executable, os.path.join(root, 'scripts', 'trace.py'), '--tasks', 'fp8xfp8', *map(str, (hidden, inter, experts, topk, n))]
+    env.pop('DG_MEGA_MOE_TASK_LOG', None)
+    cmd = [sys.executable, os.path.join(root, 'scripts', 'trace.py'), flag, 'fp8xfp8', *map(str, (hidden, inter, experts, topk, n))]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, f'{run.stdout}\n{run.stderr[-3000:]}'
     counts = {m.group(1): int(m.group(2)) for m in re.finditer(r'^\s*(L1|L2|combine)\s+task: n\s+(\d+)', run.stdout, re.M)}
@@ -183,6 +186,8 @@ def test_trace_task_log_on_the_gpu():
         'got -> loop end', 'epilogue', 'P ticket -> claim', 'P claim -> A', 'P ticket -> decoded', 'P decoded -> free', 'P free -> claimed')}, run.stdout
     for kind, name, low in steps:   # each a span between two stamps of one thread, in program order
         assert float(low) >= 0, (kind, name, low)
+    # level 1 only: the first K-blocks of the last L1 task (the light log has no per-K-block stamps)
+    assert ('last L1 task stage free' in run.stdout) == (flag == '--tasks'), run.stdout
 
 
 # Prefill combines (BLOCK_M 128) bring y's top-k rows through shared memory in batches of 128

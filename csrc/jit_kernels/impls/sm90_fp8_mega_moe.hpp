@@ -69,21 +69,24 @@ struct SM90MegaMoEVariant {
         os << "sm90_mega_moe_" << kNames[static_cast<int>(mma_type)] << "_m" << block_m << "_n" << block_n_l2
            << "_s" << num_stages << (fast_math ? "_fast" : "_exact");
         if (wide_n_min != 64) os << "_w" << wide_n_min;
-        if (task_log()) os << "_tasklog";
+        if (task_log() == 1) os << "_tasklog";
+        if (task_log() == 2) os << "_tasklight";
         return os.str();
     }
 
     // DG_MEGA_MOE_TASK_LOG=1 (read once per process): every kernel variant is built with the trace's
-    // task log (scripts/trace.py --tasks), a development aid kept out of the others' SASS
-    static bool task_log() {
-        static const bool on = read_env_choice("DG_MEGA_MOE_TASK_LOG", {"0", "1"}) == 1;
-        return on;
+    // task log (scripts/trace.py --tasks), a development aid kept out of the others' SASS; =2: the
+    // task log's per-task stamps only, without its per-K-block stamps and the producer's cycle sums
+    // (trace.py --tasks-light: a timeline closer to the untraced kernel's)
+    static int task_log() {
+        static const int level = std::max(0, read_env_choice("DG_MEGA_MOE_TASK_LOG", {"0", "1", "2"}));
+        return level;
     }
 
     std::string source() const {
         check();
         std::ostringstream os;
-        if (task_log()) os << "#define DG_MEGA_MOE_TASK_LOG 1\n";
+        if (task_log()) os << "#define DG_MEGA_MOE_TASK_LOG " << task_log() << "\n";
         os << "#include <deep_gemm/impls/sm90_fp8_mega_moe.cuh>\n\n"
            << "DG_DEFINE_SM90_MEGA_MOE_KERNEL(sm90_mega_moe, " << mma_type_cpp_name(mma_type) << ", " << block_m << ", "
            << num_stages << ", " << (fast_math ? "true" : "false") << ", " << block_n_l2 << ", " << wide_n_min << ")\n";

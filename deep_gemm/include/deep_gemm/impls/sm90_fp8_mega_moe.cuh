@@ -67,7 +67,12 @@ constexpr uint32_t kStageSuspendNs = 2000;
 #ifndef DG_MEGA_MOE_TASK_LOG
 #define DG_MEGA_MOE_TASK_LOG 0
 #endif
-constexpr bool kTaskLog = DG_MEGA_MOE_TASK_LOG;
+constexpr bool kTaskLog = DG_MEGA_MOE_TASK_LOG != 0;
+// Level 1 also stamps the first K-blocks of each CTA's last L1 task; level 2 ("light") keeps the
+// per-task stamps only, whose cost is per task, not per K-block
+constexpr bool kTaskLogKBlocks = DG_MEGA_MOE_TASK_LOG == 1;
+// The trace's K-block stamps of each CTA's first L1 task (kTraceKbReady / kTraceKbIssue): off in the light log
+constexpr bool kTraceKBlockStamps = DG_MEGA_MOE_TASK_LOG != 2;
 
 struct SharedControl {
     int first_task;
@@ -958,7 +963,7 @@ struct Kernel {
         };
         // Task-log kernels: A tile of K-block kb (of the task) issued (kTraceKbLastIssue)
         [[maybe_unused]] const auto trace_last_issue = [&](int kb) {
-            if constexpr (kTaskLog) trace(kTraceKbLastIssue + kb);
+            if constexpr (kTaskLogKBlocks) trace(kTraceKbLastIssue + kb);
         };
         // Task log (kTaskLog kernels, traced calls): this thread's stamps 5-9 of the entry the math
         // gives the same task (both count the tasks past the pull in ring order)
@@ -1063,7 +1068,7 @@ struct Kernel {
                 if (kTaskLog and it == stage_iter) producer_log(kTaskStampStageFree);
                 mbarrier_expect_tx(sm.full + s, stage_bytes);
                 const int kb = static_cast<int>(it - stage_iter) + kb0;
-                if constexpr (kTaskLog) {
+                if constexpr (kTaskLogKBlocks) {
                     if (is_l1 and it - stage_iter < kTraceKbSlots) trace(kTraceKbLastFree + static_cast<int>(it - stage_iter));
                 }
                 if constexpr (kFP4) {
@@ -1134,7 +1139,7 @@ struct Kernel {
                         for (; a_next < kb; ++a_next) {
                             issue_a(stage_iter + a_next), a_issued_end = stage_iter + a_next + 1;
                             if (kTaskLog and a_next == 0) producer_log(kTaskStampFirstA);
-                            if (is_l1 and a_next < kTraceKbSlots) trace(kTraceKbIssue + a_next, true), trace_last_issue(a_next);
+                            if (kTraceKBlockStamps and is_l1 and a_next < kTraceKbSlots) trace(kTraceKbIssue + a_next, true), trace_last_issue(a_next);
                         }
                     }
                     ok = claim_stage(stage_iter + kb);
@@ -1148,7 +1153,7 @@ struct Kernel {
                     for (; ready and a_next <= kb; ++a_next) {
                         issue_a(stage_iter + a_next), a_issued_end = stage_iter + a_next + 1;
                         if (kTaskLog and a_next == 0) producer_log(kTaskStampFirstA);
-                        if (is_l1 and a_next < kTraceKbSlots) trace(kTraceKbIssue + a_next, true), trace_last_issue(a_next);
+                        if (kTraceKBlockStamps and is_l1 and a_next < kTraceKbSlots) trace(kTraceKbIssue + a_next, true), trace_last_issue(a_next);
                     }
                 }
                 if (ok and not ready) {   // every K-block was prefetched: wait, then all A tiles
@@ -1158,7 +1163,7 @@ struct Kernel {
                         for (; a_next < task_kb; ++a_next) {
                             issue_a(stage_iter + a_next), a_issued_end = stage_iter + a_next + 1;
                             if (kTaskLog and a_next == 0) producer_log(kTaskStampFirstA);
-                            if (is_l1 and a_next < kTraceKbSlots) trace(kTraceKbIssue + a_next, true), trace_last_issue(a_next);
+                            if (kTraceKBlockStamps and is_l1 and a_next < kTraceKbSlots) trace(kTraceKbIssue + a_next, true), trace_last_issue(a_next);
                         }
                     }
                 }
@@ -1228,7 +1233,7 @@ struct Kernel {
     };
 
     // Task log (scripts/trace.py --tasks): stamp k of the task mt.log. Only in the kernel variant
-    // built with DG_MEGA_MOE_TASK_LOG=1 (its stamps moved registers in the K-loops of the others)
+    // built with DG_MEGA_MOE_TASK_LOG=1 or 2 (its stamps moved registers in the K-loops of the others)
     __device__ void log_task(const MathThread& mt, int k, uint64_t value = 0) const {
         if constexpr (kTaskLog) {
             if (mt.log >= 0)
@@ -1287,14 +1292,14 @@ struct Kernel {
         if (not wait_full(stage_iter)) return false;
         if (mt.tracer and kb < kTraceKbSlots) {
             if (kb == 0) trace(kTraceL1FirstStage, true), log_task(mt, kTaskStampFirstStage);
-            if (mt.wg == 0) trace(kTraceKbReady + kb, true);
-            if (kTaskLog and mt.wg == 0) trace(kTraceKbLastReady + kb);
+            if (kTraceKBlockStamps and mt.wg == 0) trace(kTraceKbReady + kb, true);
+            if (kTaskLogKBlocks and mt.wg == 0) trace(kTraceKbLastReady + kb);
         }
         return true;
     }
     // Task-log kernels: when warpgroup 0's tracer released K-block kb of an L1 task (kTraceKbLastRelease)
     __device__ void trace_l1_release(int kb, const MathThread& mt) const {
-        if constexpr (kTaskLog) {
+        if constexpr (kTaskLogKBlocks) {
             if (mt.tracer and mt.wg == 0 and kb < kTraceKbSlots) trace(kTraceKbLastRelease + kb);
         }
     }
