@@ -16,9 +16,9 @@ its K-loop and its epilogue, and when the producer ("P") put its ticket in the r
 had its first stage free, had claimed it (B issued) and issued its first A tile) and prints, per task kind, the spread of those steps, the gaps
 between a CTA's tasks and the CTAs that end last; also the first K-blocks of each CTA's last L1 task.
 --tasks-light (DG_MEGA_MOE_TASK_LOG=2): the per-task stamps only (no per-K-block stamps: those of
---tasks cost the producer thread, whose pace sets a decode K-loop's, so that its kernel runs ~25 %
-slower at v4-flash FP8 x FP4 n = 8; the light one runs at the untraced kernel's time, docs/PERF.md
-session 21). Prebuild those variants with the same variable set.
+--tasks slow the producer thread until it is the decode K-loop's slow side, so that its kernel runs
+~25 % slower at v4-flash FP8 x FP4 n = 8; the light one runs at the untraced kernel's time,
+docs/PERF.md session 21). Prebuild those variants with the same variable set.
 """
 import dataclasses
 import os
