@@ -108,7 +108,7 @@ def _quantiles(v):
 
 
 def print_task_log(t, t0):
-    """The task log of a DG_MEGA_MOE_TASK_LOG=1 kernel: per kind, the steps of a task (us). Slots
+    """The task log of a DG_MEGA_MOE_TASK_LOG=1 or 2 kernel: per kind, the steps of a task (us). Slots
     and kinds as the kernel names them (TraceTaskStamp, TraceTaskKind in mega_moe_params.cuh)."""
     base, num, stamps = _C.kTraceTaskBase, _C.kTraceTasks, _C.kTraceTaskStamps
     S = _C.kTraceTaskStamp

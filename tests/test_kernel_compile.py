@@ -194,12 +194,12 @@ def test_task_log_variant_compiles_apart(requires_nvcc):
             "print(_C.compile_mega_moe(mma_type_to_int('fp8xfp8'), 64, 5, True, 128, 64))")
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get('PYTHONPATH', ''))
     dirs = {}
-    for level, suffix in (('1', '_tasklog'), ('2', '_tasklight')):
+    for level, suffix in (('1', 'tasklog'), ('2', 'tasklight')):
         env['DG_MEGA_MOE_TASK_LOG'] = level
         run = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env=env, timeout=600)
         assert run.returncode == 0, run.stderr[-3000:]
         dirs[level] = kernel_dir = run.stdout.strip().splitlines()[-1]
-        assert os.path.basename(kernel_dir).split('_')[-2] == suffix[1:], kernel_dir
+        assert os.path.basename(kernel_dir).split('_')[-2] == suffix, kernel_dir
         with open(os.path.join(kernel_dir, 'kernel.cubin'), 'rb') as f:
             assert f.read(4) == b'\x7fELF'
         with open(os.path.join(kernel_dir, 'kernel.cu')) as f:

@@ -76,8 +76,8 @@ struct SM90MegaMoEVariant {
 
     // DG_MEGA_MOE_TASK_LOG=1 (read once per process): every kernel variant is built with the trace's
     // task log (scripts/trace.py --tasks), a development aid kept out of the others' SASS; =2: the
-    // task log's per-task stamps only, without its per-K-block stamps and the producer's cycle sums
-    // (trace.py --tasks-light: a timeline closer to the untraced kernel's)
+    // task log's per-task stamps only, without any per-K-block stamp (trace.py --tasks-light: the
+    // untraced kernel's pace). The kernel header reads the level (kTaskLog, kTaskLogKBlocks)
     static int task_log() {
         static const int level = std::max(0, read_env_choice("DG_MEGA_MOE_TASK_LOG", {"0", "1", "2"}));
         return level;
