@@ -1,6 +1,8 @@
 """The development scripts under scripts/ stay runnable: shell scripts parse, Python scripts
 compile, CUDA probes build for sm_90a, and the A/B timer's command line works without a GPU."""
+import csv
 import glob
+import io
 import os
 import py_compile
 import subprocess
@@ -125,3 +127,47 @@ def test_trace_task_log_summary(capsys):
     # one combine task of 3.5; gaps 3 x (0.5, 1.5, 2.5); after the last task 23.5 - (17.5, 20.5, 23.5)
     assert ('per CTA (3 CTAs with every task logged; medians, us): before its first task 2.0, L1 first-stage '
             'waits 1.4, K-loops 7.6, epilogues 1.5, combine tasks 3.5, between tasks 4.5, after its last task 3.0') in out
+
+
+def _fake_ncu_report(path, base=0x7f0000001000):
+    """A device_ncu.sh report in miniature: a header, then the source page's CSV after '=== source'.
+    Instructions 2-5 form a K-loop (a QGMMA, a backward branch to instruction 2), instruction 7 a
+    task loop around it; samples: the wait branch 30 (long_sb), the QGMMA 10 (wait), the rest 1-2."""
+    sass = ['LDC R1, c[0x0][0x28]', 'MOV R2, RZ', 'SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R3], R4',
+            f'@!P0 BRA {base + 0x20:#x}', 'QGMMA.64x8x32.F32.E4M3.E4M3 R24, R32, gdesc[UR16], RZ',
+            f'@P1 BRA {base + 0x20:#x}', 'IADD3 R2, R2, 0x1, RZ', f'@P2 BRA {base + 0x10:#x}', 'EXIT']
+    samples = [(1, 'selected'), (1, 'selected'), (2, 'wait'), (30, 'long_sb'), (10, 'wait'), (1, 'branch_resolving'),
+               (1, 'selected'), (1, 'branch_resolving'), (0, 'selected')]
+    reasons = ['long_sb', 'wait', 'selected', 'branch_resolving']
+    out = io.StringIO()
+    w = csv.writer(out, quoting=csv.QUOTE_ALL)
+    w.writerow(['Address', 'Source', 'Instructions Executed'] + [f'stall_{r}' for r in reasons] + [f'stall_{r} (Not Issued)' for r in reasons])
+    for i, (s, (n, reason)) in enumerate(zip(sass, samples)):
+        w.writerow([f'{base + 0x10 * i:#x}', s, 1] + [n if r == reason else 0 for r in reasons] + [0] * len(reasons))
+    path.write_text('==PROF== a kernel\n  Duration us 1.0\n=== source\n' + out.getvalue())
+
+
+def test_ncu_regions_finds_the_k_loop_and_its_stalls(tmp_path):
+    report = tmp_path / 'case.txt'
+    _fake_ncu_report(report)
+    result = subprocess.run([sys.executable, os.path.join(SCRIPTS, 'ncu_regions.py'), '--top', '2', str(report), '0x60-0x70'],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert '9 instructions, 47 samples' in lines[0]
+    loops = lines[lines.index('GMMA loops:') + 1:]
+    # the innermost GMMA loop only (offsets 0x20-0x50: 43 of 47 samples), not the task loop around it
+    assert loops[0].startswith('0x00020-0x00050: 4 instructions, 43 samples (91.5 % of the kernel)'), loops[0]
+    assert 'long_sb 69.8 %' in loops[1] and 'wait 27.9 %' in loops[1]
+    assert 'TRYWAIT' not in loops[2] and '0x00030  69.8 %  long_sb' in loops[2] and 'BRA' in loops[2]
+    assert not any(line.startswith('0x00010-') for line in loops)
+    # the range asked for: offsets 0x60 and 0x70
+    assert any(line.startswith('0x00060-0x00070: 2 instructions, 2 samples') for line in loops)
+
+
+def test_ncu_regions_rejects_a_file_without_a_source_page(tmp_path):
+    report = tmp_path / 'log.txt'
+    report.write_text('ncu exit 1\n')
+    result = subprocess.run([sys.executable, os.path.join(SCRIPTS, 'ncu_regions.py'), str(report)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and 'no "=== source" section' in result.stderr
