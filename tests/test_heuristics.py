@@ -392,3 +392,33 @@ def test_launched_kernel_has_the_wide_tiles(override, wide_ns):
 def test_launcher_rejects_a_bad_wide_n_setting():
     out = json.loads(_run_script(_CALLS_SCRIPT, 'DG_MEGA_MOE_WIDE_N', '8', 'get_mega_moe_kernel_variant', json.dumps([_V4_FP4_N1])))
     assert 'DG_MEGA_MOE_WIDE_N' in out[0] and "'8'" in out[0]
+
+
+# The signals thread (FP8 x FP4 decode, a run-time flag): on from kSignalsThreadMinTasksPerSM (4)
+# expected L1 + L2 tasks per SM when an L2 task streams at least 16 K-blocks (intermediate 2048),
+# off at one token (v4-flash: 96 + 96 tasks on 132 SMs), at mid (6 K-blocks an L2 task), in prefill
+# tiles and in the other formats (their kernels raise their own signals)
+@pytest.mark.parametrize('fmt, hidden, inter, experts, topk, n, on', [
+    ('fp8xfp4', 4096, 2048, 256, 6, 1, False),    # 192 tasks on 132 SMs
+    ('fp8xfp4', 4096, 2048, 256, 6, 2, False),    # 384: 2.9 per SM
+    ('fp8xfp4', 4096, 2048, 256, 6, 4, True),     # 768: 5.8 per SM
+    ('fp8xfp4', 4096, 2048, 256, 6, 8, True),
+    ('fp8xfp4', 4096, 2048, 256, 6, 128, True),
+    ('fp8xfp4', 7168, 2048, 256, 8, 8, True),
+    ('fp8xfp4', 2048, 768, 128, 8, 8, False),     # mid: 6 K-blocks an L2 task
+    ('fp8xfp4', 2048, 768, 128, 8, 128, False),
+    ('fp8xfp4', 4096, 2048, 256, 6, 4096, False),  # prefill tiles
+    ('fp8xfp8', 4096, 2048, 256, 6, 8, False),
+    ('bf16xbf16', 4096, 2048, 256, 6, 128, False),
+])
+def test_signals_thread_choice(fmt, hidden, inter, experts, topk, n, on):
+    c = config(fmt, num_ranks=1, num_experts=experts, num_topk=topk, hidden=hidden, intermediate_hidden=inter, num_tokens=n)
+    assert c['signals_thread'] is on, c
+    assert f'signals_thread={int(on)}' in c['description']
+
+
+def test_signals_thread_counts_tasks_per_sm():
+    # the same call on fewer SMs has more tasks per SM: v4-flash at two tokens, 384 tasks
+    kw = dict(num_ranks=1, num_experts=256, num_topk=6, hidden=4096, intermediate_hidden=2048, num_tokens=2)
+    assert not config('fp8xfp4', **kw)['signals_thread']
+    assert config('fp8xfp4', num_sms=64, **kw)['signals_thread']

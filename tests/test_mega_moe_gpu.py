@@ -154,6 +154,25 @@ def test_fp4_transposed_tiles_wide_n_32(experts_allowed):
     record_diff('fp8xfp4', float(re.search(r'worst calc_diff (\S+);', run.stdout).group(1)))
 
 
+# The signals thread (FP8 x FP4 decode; DG_MEGA_MOE_SIGNALS_THREAD=1, read once per process: a
+# subprocess each): the heuristic turns it on only at shapes larger than the suite's, so these
+# force it: narrow tiles with few CTAs (many tasks and posts a CTA), virtual ranks (combine_ready
+# raised by the signals thread for every rank), and 256-wide L2 tasks with transposed wide tiles
+@pytest.mark.parametrize('args', [('--tokens', '8', '--sms', '8'), ('--tokens', '8', '--ranks', '2', '--sms', '16'),
+                                  ('--tokens', '48', '--ranks', '4', '--sms', '8'),
+                                  ('--shape', 'mid', '--tokens', '128', '--sms', 'all')], ids=['narrow', 'ep2', 'wide-ep4', 'mid'])
+def test_fp4_signals_thread(args):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    args = tuple(str(_C.get_num_sms()) if a == 'all' else a for a in args)
+    cmd = [sys.executable, os.path.join(root, 'scripts', 'one_launch.py'), '--format', 'fp8xfp4', *args]
+    env = dict(os.environ, DG_MEGA_MOE_SIGNALS_THREAD='1', PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get('PYTHONPATH')])))
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, f'{run.stdout}\n{run.stderr[-3000:]}'
+    variant = ast.literal_eval(re.search(r'kernel variant (\([^)]*\))', run.stdout).group(1))
+    assert variant[1] == 64, f'{variant}: not a decode kernel (the signals thread is theirs)'
+    record_diff('fp8xfp4', float(re.search(r'worst calc_diff (\S+);', run.stdout).group(1)))
+
+
 # scripts/trace.py --tasks (the DG_MEGA_MOE_TASK_LOG=1 kernels, read once per process: a subprocess)
 # logs each CTA's L1 / L2 / combine tasks; at the small shape every CTA runs fewer than the log's 16,
 # so the log holds every task of the call: as many L1 and L2 tasks as the call has (split-K off: one

@@ -17,6 +17,7 @@ inline pybind11::dict config_to_dict(const MegaMoEConfig& c) {
     d["block_n_l1"] = c.block_n_l1;
     d["block_n_l2"] = c.block_n_l2;
     d["wide_n_min"] = c.wide_n_min;
+    d["signals_thread"] = c.signals_thread;
     d["block_k"] = c.block_k;
     d["num_stages"] = c.num_stages;
     d["num_prefetch_stages"] = c.num_prefetch_stages;

@@ -39,6 +39,12 @@ constexpr int kDecodeL1PrefetchStages = 2;
 // Expected tokens per expert from which FP8 x FP4 decode launches the kernel with transposed tiles of
 // N = 16 / 32 (6: ~15 % of the M-blocks hold more than 8 tokens at Poisson 6)
 constexpr int kFP4WideTokensPerExpert = 6;
+// The signals thread (FP8 x FP4 decode): from this many expected L1 + L2 tasks per SM, when an L2
+// task streams at least kSignalsThreadMinL2KBlocks K-blocks (docs/PERF.md, sessions 21-22: -1.3 to
+// -2 % at v4-flash n = 8 / 128 and deepseek-v3 n = 8, ~10 tasks per SM and 16 K-blocks an L2 task;
+// +4 to 5 % at v4-flash one token, 1.5 tasks per SM; +1.5 % at mid n = 8 / 128, 6 K-blocks an L2 task)
+constexpr int kSignalsThreadMinTasksPerSM = 4;
+constexpr int kSignalsThreadMinL2KBlocks = 16;
 // Opt-in shared memory per block on every Hopper part the kernel targets (H100/H200: 227 KB)
 constexpr int kSM90MaxSmemBytes = 232448;
 }  // namespace mega_moe_tiles
@@ -50,6 +56,7 @@ struct MegaMoEConfig {
     int block_n_l1;            // 256: 128 gate + 128 up columns
     int block_n_l2;            // L2 task width, a kernel variant: 128, or 256 (decode, 128-wide tasks outnumber the SMs)
     int wide_n_min;            // narrowest transposed wide tile, a kernel variant: 64, or 16 (FP8 x FP4 decode, many tokens per expert)
+    bool signals_thread;       // FP8 x FP4 decode: a dispatch thread raises the math's task signals (a run-time flag)
     int block_k;               // 128 (FP8) or 64 (BF16): one 128-byte swizzle row
     int num_stages;            // TMA -> WGMMA pipeline depth
     int num_prefetch_stages;   // weight stages an L1 task streams before its tokens are in (<= num_stages)
@@ -71,7 +78,8 @@ struct MegaMoEConfig {
         static constexpr const char* kNames[] = {"fp8xfp4", "fp8xfp8", "bf16xbf16"};
         std::ostringstream os;
         os << "MegaMoEConfig(mma_type=" << kNames[static_cast<int>(mma_type)] << ", block_m=" << block_m
-           << ", block_n_l1=" << block_n_l1 << ", block_n_l2=" << block_n_l2 << ", wide_n_min=" << wide_n_min << ", block_k=" << block_k
+           << ", block_n_l1=" << block_n_l1 << ", block_n_l2=" << block_n_l2 << ", wide_n_min=" << wide_n_min
+           << ", signals_thread=" << (signals_thread ? 1 : 0) << ", block_k=" << block_k
            << ", num_stages=" << num_stages << ", num_prefetch_stages=" << num_prefetch_stages << ", num_prefetch_stages_l2=" << num_prefetch_stages_l2 << ", num_math_warpgroups=" << num_math_warpgroups
            << ", num_threads=" << num_threads << ", num_sms=" << num_sms
            << ", num_experts_per_wave=" << num_experts_per_wave << ", smem_bytes=" << smem_bytes
@@ -206,6 +214,15 @@ inline MegaMoEConfig get_mega_moe_config(MmaType mma_type, int num_ranks, int nu
     if (mma_type == MmaType::kFP8xFP4 and c.block_m == 64 and
         num_routed_pairs >= static_cast<int64_t>(kFP4WideTokensPerExpert) * num_experts)
         c.wide_n_min = 16;
+
+    // The signals thread (FP8 x FP4 decode kernels, MegaMoEParams::signals_thread): worth it where a
+    // CTA runs many long tasks, each boundary paying the release fence and the L2 count's returning
+    // atomic in warp 0; at a few tasks per CTA the extra hop lies on the L1 -> L2 chain
+    const int64_t expected_tasks = experts_touched * expected_mblocks *
+                                   (2 * static_cast<int64_t>(intermediate_hidden) / c.block_n_l1 + hidden / c.block_n_l2);
+    c.signals_thread = mma_type == MmaType::kFP8xFP4 and c.block_m == 64 and
+                       intermediate_hidden / c.block_k >= kSignalsThreadMinL2KBlocks and
+                       expected_tasks >= static_cast<int64_t>(kSignalsThreadMinTasksPerSM) * num_sms;
     return c;
 }
 

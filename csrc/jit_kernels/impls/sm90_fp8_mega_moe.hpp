@@ -229,6 +229,9 @@ inline MegaMoEConfig launch_sm90_mega_moe(const SM90MegaMoEArgs& a) {
     params.num_prefetch_stages = prefetch_override.first >= 0 ? std::min(prefetch_override.first, config.num_stages) : config.num_prefetch_stages;
     params.num_prefetch_stages_l2 = prefetch_override.second >= 0 ? std::min(prefetch_override.second, config.num_stages) : config.num_prefetch_stages_l2;
     params.l1_split_max = mega_moe_l1_split_max(a.mma_type);
+    // DG_MEGA_MOE_SIGNALS_THREAD (tuning aid: 0 / 1, read once) or else the heuristic's choice
+    static const int signals_override = read_env_choice("DG_MEGA_MOE_SIGNALS_THREAD", {"0", "1"});
+    params.signals_thread = signals_override >= 0 ? signals_override : (config.signals_thread ? 1 : 0);
     // An FP8 x FP4 code block (8 KB, contiguous) is copied as 64 rows of 128 bytes, not as the
     // 128 weight rows of 64 bytes it holds: the same bytes land at the same shared-memory offsets
     // (unswizzled), with half the box rows for the TMA unit to walk per stage (-0.5 to -1.1 % at

@@ -128,6 +128,11 @@ constexpr int kMegaMoEMaxKBlocks = 128;
 constexpr int kMegaMoEFP4TableBytes = 16 * 8;
 constexpr int kMegaMoEFP4TableAlign = 128;
 constexpr int kMegaMoEFP4TablePad = kMegaMoEFP4TableAlign - 16;
+// The signals thread's mailboxes (FP8 x FP4 decode, MegaMoEParams::signals_thread): per math
+// warpgroup a ring of kMegaMoESignalPosts posts, each a full and an empty mbarrier and a 4-byte
+// word. They take the half of the pulled rows' table that 64-row M-blocks leave unused.
+constexpr int kMegaMoESignalPosts = 4;
+constexpr int kMegaMoESignalBytes = 2 * kMegaMoESignalPosts * (2 * 8 + 4);
 // mbarriers (stages x 2 + ring x 2), ring slots, per-expert token counts and M-block table, the
 // pulled M-block's row sources, 64 bytes of scalars, up to 16 bytes aligning them, the expansion
 // table and its padding
@@ -230,6 +235,9 @@ struct MegaMoEParams {
     // Most K parts per split-K L1 tile (DG_MEGA_MOE_L1_SPLIT, else the heuristic's cap per format;
     // 1 = never split): the kernel picks 1, 2 or 4 per call when every L1 tile is narrow (docs/KERNEL.md)
     int l1_split_max;
+    // FP8 x FP4 decode kernels: the math hands its task signals to a dispatch thread, which raises
+    // them (DG_MEGA_MOE_SIGNALS_THREAD, else the heuristic's choice; other kernels ignore it)
+    int signals_thread;
 };
 
 // `SymmBuffer.stage(x, topk_idx, topk_weights)`: one launch that fills a rank's inputs

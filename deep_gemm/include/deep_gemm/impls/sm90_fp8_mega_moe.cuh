@@ -229,6 +229,8 @@ struct Kernel {
         int* mblock_begin;        // [E_local + 1], exclusive prefix of M-blocks per local expert
         uint32_t* pull_rows;      // [BLOCK_M] the pulled M-block's (source rank, token slot) per row
         uint8_t* fp4_table;       // [16 deltas][8 magnitudes] E4M3 bytes, 128-aligned (FP8 x FP4 only)
+        uint64_t* signal_bars;    // [math warpgroup][post][full, empty] (the signals thread's mailboxes)
+        uint32_t* signal_posts;   // [math warpgroup][post]
         SharedControl* ctrl;
 
         __device__ explicit Smem(uint8_t* base) {
@@ -255,6 +257,9 @@ struct Kernel {
             // 128-aligned: a decode tile's table row address is the base with its low byte replaced by the
             // row's offset, which carries the base's bit 7 (fp4_magnitudes, fp4_table_hi)
             fp4_table = reinterpret_cast<uint8_t*>(align_up<uintptr_t>(reinterpret_cast<uintptr_t>(ctrl + 1), kMegaMoEFP4TableAlign));
+            // decode kernels: after the BLOCK_M row sources a pull uses, in the kMaxBlockM the table holds
+            signal_bars = reinterpret_cast<uint64_t*>(align_up<uintptr_t>(reinterpret_cast<uintptr_t>(pull_rows + BLOCK_M), 8));
+            signal_posts = reinterpret_cast<uint32_t*>(signal_bars + kNumMathWGs * kMegaMoESignalPosts * 2);
         }
         // The control block as carved above (its start is 16-aligned), padding included, against
         // the budget the host allocates (mega_moe_control_smem_bytes): aligning the table to 128
@@ -262,6 +267,12 @@ struct Kernel {
         static constexpr int kControlBytesUsed =
             align_up(align_up(kNumStages * 16 + kMegaMoETaskRing * 20 + (2 * kMegaMoEMaxLocalExperts + 1) * 4 + L::kMaxBlockM * 4, 16) +
                      static_cast<int>(sizeof(SharedControl)), 16) + kMegaMoEFP4TablePad + kMegaMoEFP4TableBytes;
+        static_assert(kNumMathWGs * kMegaMoESignalPosts * (2 * 8 + 4) <= kMegaMoESignalBytes and
+                      (BLOCK_M != 64 or BLOCK_M * 4 + 4 + kMegaMoESignalBytes <= L::kMaxBlockM * 4),
+                      "the mailboxes fit what 64-row pulls leave of the row-source table (4 bytes: 8-aligning them)");
+        __device__ uint64_t* signal_full(int wg, int q) const { return signal_bars + (wg * kMegaMoESignalPosts + q) * 2; }
+        __device__ uint64_t* signal_empty(int wg, int q) const { return signal_full(wg, q) + 1; }
+        __device__ uint32_t signal_post(int wg, int q) const { return smem_addr(signal_posts + wg * kMegaMoESignalPosts + q); }
         static_assert(kControlBytesUsed <= mega_moe_control_smem_bytes(kNumStages), "control block outgrew its budget");
         // The pull's slots and their mbarriers, after re-aligning to 128 B (at most 127 B lost), within the host's budget
         static constexpr int kSlots = mega_moe_pull_slots(kMmaType, BLOCK_M);
@@ -1214,7 +1225,15 @@ struct Kernel {
         for (int i = 0;; ++i) {
             const int t = next_task(i, total);
             // one decision for the whole group (its next named barrier needs every thread)
-            if (named_barrier_or(kBarrierDispatchDecide, kNumDispatchThreads, t >= total or sm.ctrl->abort)) break;
+            // Calls with the signals thread: past this CTA's pulls (its tickets rise) dispatch thread 0
+            // takes over the group's part of the ring and raises the math's signals (signals_worker)
+            const bool to_signals = kDeferTaskSignals and p.signals_thread and t >= tasks.pull_end();
+            if (named_barrier_or(kBarrierDispatchDecide, kNumDispatchThreads, to_signals or t >= total or sm.ctrl->abort)) {
+                if constexpr (kDeferTaskSignals) {
+                    if (to_signals and dispatch_thread == 0) signals_worker(i + 1, t >= total);
+                }
+                break;
+            }
             if (t < tasks.pull_end()) pull(t, dispatch_thread, slot_uses);
         }
     }
@@ -1770,6 +1789,82 @@ struct Kernel {
         if constexpr (kDeferTaskSignals) {
             if (owed_l1_m >= 0) count_l1_task(owed_l1_m), owed_l1_m = -1;
             if (owed_l2) owed_l2 = false, count_l2_task();
+        }
+    }
+
+    // The signals thread (p.signals_thread, FP8 x FP4 decode kernels): thread 0 of a math warpgroup
+    // hands what it owes to dispatch thread 0 instead of raising it, so the release fence (its wait
+    // for the epilogue's stores) and the L2 count's returning atomic leave warp 0, which the
+    // warpgroup's next wgmma waits for. A post is one word in a ring of kMegaMoESignalPosts per
+    // warpgroup: the owed L1 M-block + 1 (bits 0-29), the owed L2 count (bit 30), the warpgroup's
+    // last post (bit 31, at the ticket it leaves on). Ordering: the epilogue's stores, the
+    // warpgroup's barrier, the post's mbarrier arrival (release, CTA scope), the signals thread's
+    // wait (acquire), its release at gpu / system scope: cumulativity carries every thread's stores
+    // as when thread 0 raised the signal itself. Measured -1.3 to -2 % at v4-flash FP8 x FP4
+    // n = 8 / 128 and deepseek-v3 n = 8, +4 to 5 % at one token and +1.5 % at mid (docs/PERF.md,
+    // sessions 21-22): the heuristic turns it on where tasks are many and long.
+    uint32_t signal_posts_made = 0;   // thread 0 of a math warpgroup: its posts so far
+    static constexpr uint32_t kPostL2 = 1u << 30, kPostLast = 1u << 31;
+    __device__ void settle_signals(const MathThread& mt, bool leave) {
+        if constexpr (kDeferTaskSignals) {
+            if (p.signals_thread) {
+                if (mt.tid != 0 or (not leave and owed_l1_m < 0 and not owed_l2)) return;
+                const uint32_t q = signal_posts_made++;
+                const int slot = static_cast<int>(q % kMegaMoESignalPosts);
+                // the slot's previous post read (the first round passes at once); false on abort
+                if (not bounded_wait(p, sm.ctrl, Phase::kPipeline, p.rank,
+                                     [&] { return mbarrier_try_wait(sm.signal_empty(mt.wg, slot), ((q / kMegaMoESignalPosts) & 1) ^ 1); }))
+                    return;
+                st_shared_u32(sm.signal_post(mt.wg, slot), static_cast<uint32_t>(owed_l1_m + 1) | (owed_l2 ? kPostL2 : 0u) | (leave ? kPostLast : 0u));
+                mbarrier_arrive(sm.signal_full(mt.wg, slot));
+                owed_l1_m = -1, owed_l2 = false;
+                return;
+            }
+        }
+        raise_signals();
+    }
+    // Dispatch thread 0 once its CTA's pulls are behind it (its ticket at ring index ring_next - 1
+    // was past the pulls; ring_done: it was the last): consume the ring for the whole dispatch group
+    // (one arrival of kNumDispatchThreads a ticket) and raise the posted signals, until both math
+    // warpgroups posted their last. Polls both without blocking on either; leaves on abort.
+    __device__ void signals_worker(int ring_next, bool ring_done) {
+        const int total = tasks.total();
+        const auto* abort_word = mine<uint64_t>(lay.status) + L::kStatusAbort;
+        uint32_t taken[kNumMathWGs] = {};
+        bool last[kNumMathWGs] = {};
+        uint64_t idle_since = 0;
+        for (uint32_t n = 0;; ++n) {
+            bool progress = false;
+            while (not ring_done and mbarrier_test_wait(sm.ring_full + ring_next % kMegaMoETaskRing, (ring_next / kMegaMoETaskRing) & 1)) {
+                const int t = sm.ring_task[ring_next % kMegaMoETaskRing];
+                mbarrier_arrive_count(sm.ring_empty + ring_next % kMegaMoETaskRing, kNumDispatchThreads);
+                ++ring_next, ring_done = t >= total, progress = true;
+            }
+            #pragma unroll
+            for (int wg = 0; wg < kNumMathWGs; ++wg) {
+                const int slot = static_cast<int>(taken[wg] % kMegaMoESignalPosts);
+                if (last[wg] or not mbarrier_test_wait(sm.signal_full(wg, slot), (taken[wg] / kMegaMoESignalPosts) & 1)) continue;
+                const uint32_t post = ld_shared_u32(sm.signal_post(wg, slot));
+                mbarrier_arrive(sm.signal_empty(wg, slot));
+                ++taken[wg], progress = true, last[wg] = (post & kPostLast) != 0;
+                if (const int m = static_cast<int>(post & (kPostL2 - 1)) - 1; m >= 0) count_l1_task(m);
+                if (post & kPostL2) count_l2_task();
+            }
+            bool all_last = true;
+            #pragma unroll
+            for (int wg = 0; wg < kNumMathWGs; ++wg) all_last = all_last and last[wg];
+            if (all_last) return;
+            if (progress) {
+                idle_since = 0;
+                continue;
+            }
+            // Idle: a math warpgroup that left on abort posts nothing more; the roles that wait for
+            // its work report the error, so leave without a report of our own
+            if (*reinterpret_cast<volatile int*>(&sm.ctrl->abort) or ld_volatile(abort_word) != 0) return;
+            const uint64_t now = globaltimer_ns();
+            if (idle_since == 0) idle_since = now;
+            else if (now - idle_since > 2 * p.timeout_ns) return;
+            __nanosleep(64);
         }
     }
 
@@ -2518,7 +2613,7 @@ struct Kernel {
             }
             // Leave together: the math warpgroups meet at barriers and wgmma until the task ends
             const bool leave = math_any(t >= total or sm.ctrl->abort, mt);
-            raise_signals();
+            settle_signals(mt, leave);
             if (leave) {
                 if (is_combine) release_task(i);
                 break;
@@ -2639,6 +2734,10 @@ struct Kernel {
                 mbarrier_init(sm.ring_empty + r, kNumRingConsumers);
             }
             for (int i = 0; i < kPullSlots; ++i) mbarrier_init(sm.pull_bars + i, 1);   // its dispatch thread
+            if constexpr (kDeferTaskSignals)
+                for (int i = 0; i < kNumMathWGs * kMegaMoESignalPosts; ++i)
+                    mbarrier_init(sm.signal_full(i / kMegaMoESignalPosts, i % kMegaMoESignalPosts), 1),   // the poster
+                    mbarrier_init(sm.signal_empty(i / kMegaMoESignalPosts, i % kMegaMoESignalPosts), 1);  // the signals thread
             if constexpr (kBulkCombine)
                 for (int i = 0; i < kNumMathWGs * kMegaMoECombineBufs; ++i) mbarrier_init(sm.combine_bars + i, 1);   // the issuing thread
             fence_barrier_init();
