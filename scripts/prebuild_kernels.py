@@ -43,20 +43,24 @@ def _key(fmt, n, num_ranks, experts, topk, hidden, inter, fast):
 
 
 def variants(formats=DEFAULT_FORMATS):
-    """(mma_type, block_m, num_stages, fast_math, block_n_l2, wide_n_min) of every kernel: per format,
+    """(mma_type, block_m, num_stages, fast_math, block_n_l2, wide_n_min, signals_thread) of every kernel: per format,
     BLOCK_M 64 (decode) and 128 (prefill) with their stage counts, fast and exact SwiGLU, at BLOCK_M 64
     both L2 task widths (the heuristic picks 128 or 256 by shape and n; DG_MEGA_MOE_L2_BLOCK_N forces
     either), and FP8 x FP4 decode with and without the N = 16 / 32 transposed tiles (wide_n_min 16 or
-    64: by the expected tokens per expert; DG_MEGA_MOE_WIDE_N forces either). The 128-wide, N = 64
-    kernels come first."""
+    64: by the expected tokens per expert; DG_MEGA_MOE_WIDE_N forces either), each of those also with the
+    signals thread (by the expected tasks per SM; DG_MEGA_MOE_SIGNALS_THREAD forces either). The 128-wide,
+    N = 64 kernels without the signals thread come first."""
     keys = []
     for fmt in formats:
         for n in (1, 1 << 16):   # decode picks BLOCK_M 64, prefill 128
             for fast in (True, False):
-                t, m, s, f, _, _ = _key(fmt, n, 1, 256, 8, 7168, 2048, fast)
-                keys.append((t, m, s, f, 128, 64))
-    keys += [(t, m, s, fast, 256, 64) for t, m, s, fast, _, _ in keys if m == 64]
-    keys += [(t, m, s, fast, l2, 16) for t, m, s, fast, l2, _ in keys if m == 64 and t == MMA_TYPES['fp8xfp4']]
+                t, m, s, f = _key(fmt, n, 1, 256, 8, 7168, 2048, fast)[:4]
+                keys.append((t, m, s, f, 128, 64, False))
+    keys += [(t, m, s, fast, 256, 64, False) for t, m, s, fast, *_ in keys if m == 64]
+    fp4_decode = [k for k in keys if k[1] == 64 and k[0] == MMA_TYPES['fp8xfp4']]
+    keys += [(t, m, s, fast, l2, 16, False) for t, m, s, fast, l2, *_ in fp4_decode]
+    keys += [(t, m, s, fast, l2, w, True) for t, m, s, fast, l2, w in
+             [k[:6] for k in keys if k[1] == 64 and k[0] == MMA_TYPES['fp8xfp4']]]
     return list(dict.fromkeys(keys))
 
 

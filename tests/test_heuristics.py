@@ -394,7 +394,7 @@ def test_launcher_rejects_a_bad_wide_n_setting():
     assert 'DG_MEGA_MOE_WIDE_N' in out[0] and "'8'" in out[0]
 
 
-# The signals thread (FP8 x FP4 decode, a run-time flag): on from kSignalsThreadMinTasksPerSM (4)
+# The signals thread (FP8 x FP4 decode, a kernel variant): on from kSignalsThreadMinTasksPerSM (4)
 # expected L1 + L2 tasks per SM when an L2 task streams at least 16 K-blocks (intermediate 2048),
 # off at one token (v4-flash: 96 + 96 tasks on 132 SMs), at mid (6 K-blocks an L2 task), in prefill
 # tiles and in the other formats (their kernels raise their own signals)
@@ -415,6 +415,33 @@ def test_signals_thread_choice(fmt, hidden, inter, experts, topk, n, on):
     c = config(fmt, num_ranks=1, num_experts=experts, num_topk=topk, hidden=hidden, intermediate_hidden=inter, num_tokens=n)
     assert c['signals_thread'] is on, c
     assert f'signals_thread={int(on)}' in c['description']
+
+
+_V4_FP4_N8 = (MMA_TYPES['fp8xfp4'], 1, 256, 6, 4096, 2048, 8, H200_SMS)
+
+
+@pytest.mark.parametrize('override, on', [
+    (None, [False, True, False]),   # the heuristic's: v4-flash FP4 n = 1 / 8, FP8
+    ('1', [True, True, False]),     # not where the kernel cannot have one (FP8)
+    ('0', [False, False, False]),
+])
+def test_launched_kernel_has_the_signals_thread(override, on):
+    cases = [_V4_FP4_N1, _V4_FP4_N8, _V4_FLASH_N1]
+    out = json.loads(_run_script(_CALLS_SCRIPT, 'DG_MEGA_MOE_SIGNALS_THREAD', override, 'get_mega_moe_kernel_variant', json.dumps(cases)))
+    assert [v['signals_thread'] for v in out] == on
+    for v in out:   # a kernel of its own: its cache name and its source's define
+        assert ('_sig' in v['name']) == v['signals_thread'], v['name']
+        source = _C.get_mega_moe_kernel_source(v['mma_type'], v['block_m'], v['num_stages'], True, v['block_n_l2'],
+                                               v['wide_n_min'], v['signals_thread'])
+        assert ('#define DG_MEGA_MOE_SIGNALS_THREAD 1' in source) == v['signals_thread'], source
+
+
+def test_signals_thread_variant_arguments():
+    for bad in [(MMA_TYPES['fp8xfp8'], 64, 5, True, 128, 64, True), (MMA_TYPES['fp8xfp4'], 128, 4, True, 128, 64, True)]:
+        with pytest.raises(ValueError, match='signals_thread'):
+            _C.get_mega_moe_kernel_source(*bad)
+    out = json.loads(_run_script(_CALLS_SCRIPT, 'DG_MEGA_MOE_SIGNALS_THREAD', '2', 'get_mega_moe_kernel_variant', json.dumps([_V4_FP4_N1])))
+    assert 'DG_MEGA_MOE_SIGNALS_THREAD' in out[0] and "'2'" in out[0]
 
 
 def test_signals_thread_counts_tasks_per_sm():

@@ -31,19 +31,22 @@ def _variants():
             c = _C.get_mega_moe_config(mma_type_to_int(fmt), 1, 256, 8, 7168, 2048, n, 132, H200_SMEM)
             for fast in (True, False):
                 for block_n_l2 in ((128, 256) if c['block_m'] == 64 else (128,)):
-                    # FP8 x FP4 decode: with and without the N = 16 / 32 transposed tiles
-                    for wide_n_min in ((64, 16) if fmt == 'fp8xfp4' and c['block_m'] == 64 else (64,)):
-                        v = (fmt, c['block_m'], c['num_stages'], fast, block_n_l2, wide_n_min)
-                        if v not in seen:
-                            seen.append(v)
+                    # FP8 x FP4 decode: with and without the N = 16 / 32 transposed tiles, each with and
+                    # without the signals thread
+                    fp4_decode = fmt == 'fp8xfp4' and c['block_m'] == 64
+                    for signals in ((False, True) if fp4_decode else (False,)):
+                        for wide_n_min in ((64, 16) if fp4_decode else (64,)):
+                            v = (fmt, c['block_m'], c['num_stages'], fast, block_n_l2, wide_n_min, signals)
+                            if v not in seen:
+                                seen.append(v)
     return seen
 
 
 @pytest.mark.parametrize('variant', _variants(),
-                         ids=lambda v: f'{v[0]}-m{v[1]}-n{v[4]}-s{v[2]}-{"fast" if v[3] else "exact"}-w{v[5]}')
+                         ids=lambda v: f'{v[0]}-m{v[1]}-n{v[4]}-s{v[2]}-{"fast" if v[3] else "exact"}-w{v[5]}{"-sig" if v[6] else ""}')
 def test_mega_moe_variant_compiles_for_sm90a(variant, requires_nvcc):
-    fmt, block_m, stages, fast, block_n_l2, wide_n_min = variant
-    kernel_dir = _C.compile_mega_moe(mma_type_to_int(fmt), block_m, stages, fast, block_n_l2, wide_n_min)
+    fmt, block_m, stages, fast, block_n_l2, wide_n_min, signals = variant
+    kernel_dir = _C.compile_mega_moe(mma_type_to_int(fmt), block_m, stages, fast, block_n_l2, wide_n_min, signals)
     cubin = os.path.join(kernel_dir, 'kernel.cubin')
     with open(cubin, 'rb') as f:
         assert f.read(4) == b'\x7fELF'
@@ -83,9 +86,9 @@ def test_prebuild_covers_every_kernel_the_launcher_picks():
     out = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, check=True, cwd=ROOT,
                          env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get('PYTHONPATH', '')))
     prebuilt = {tuple(k) for k in json.loads(out.stdout)}
-    ours = {(mma_type_to_int(f), m, s, fast, n, w) for f, m, s, fast, n, w in _variants()}
+    ours = {(mma_type_to_int(f), m, s, fast, n, w, sig) for f, m, s, fast, n, w, sig in _variants()}
     assert prebuilt == ours
-    picked, widths, wide_ns = set(), set(), set()
+    picked, widths, wide_ns, signals = set(), set(), set(), set()
     shapes = [(256, 6, 4096, 2048), (128, 8, 2048, 768), (256, 8, 7168, 2048), (64, 4, 1024, 512)]
     for fmt in FORMATS:
         for num_experts, topk, hidden, inter in shapes:
@@ -97,15 +100,19 @@ def test_prebuild_covers_every_kernel_the_launcher_picks():
                                                132, H200_SMEM)   # the heuristic's
                     widths.add(c['block_n_l2'])
                     wide_ns.add(c['wide_n_min'])
+                    signals.add(c['signals_thread'])
+                    assert v['signals_thread'] == c['signals_thread']
                     fp4_decode = fmt == 'fp8xfp4' and v['block_m'] == 64
                     for width in (128, 256) if v['block_m'] == 64 else (128,):   # heuristic or override
                         for wide_n_min in (64, 16, 32) if fp4_decode else (64,):
-                            for fast in (True, False):
-                                picked.add((v['mma_type'], v['block_m'], v['num_stages'], fast, width, wide_n_min))
+                            for sig in (False, True) if fp4_decode else (False,):
+                                for fast in (True, False):
+                                    picked.add((v['mma_type'], v['block_m'], v['num_stages'], fast, width, wide_n_min, sig))
     # DG_MEGA_MOE_WIDE_N=32 picks kernels no prebuild carries (a tuning aid: compiled on first use)
     assert {p for p in picked if p[5] != 32} <= prebuilt, {p for p in picked if p[5] != 32} - prebuilt
     assert widths == {128, 256}, 'the sweep should meet both widths'
     assert wide_ns == {64, 16}, 'the sweep should meet both FP8 x FP4 decode kernels'
+    assert signals == {False, True}, 'the sweep should meet the kernels with and without the signals thread'
 
 
 def test_virtual_ranks_prepare_every_variant_before_the_first_launch(monkeypatch, requires_nvcc):

@@ -70,16 +70,17 @@ inline void register_apis(py::module_& m) {
           py::arg("fp8"), "Compile (or fetch from the cache) the staging kernel; works without a GPU.");
 
     m.def("compile_mega_moe",
-          [](int mma_type, int block_m, int num_stages, bool fast_math, int block_n_l2, int wide_n_min) {
+          [](int mma_type, int block_m, int num_stages, bool fast_math, int block_n_l2, int wide_n_min, bool signals_thread) {
               return jit_kernels::SM90MegaMoEVariant{static_cast<MmaType>(mma_type), block_m, num_stages, fast_math, block_n_l2,
-                                                     wide_n_min}
+                                                     wide_n_min, signals_thread}
                   .compile().string();
           },
           py::arg("mma_type"), py::arg("block_m"), py::arg("num_stages"), py::arg("fast_math") = true,
-          py::arg("block_n_l2") = kMegaMoEBlockNL2, py::arg("wide_n_min") = 64,
+          py::arg("block_n_l2") = kMegaMoEBlockNL2, py::arg("wide_n_min") = 64, py::arg("signals_thread") = false,
           "Compile (or fetch from DG_JIT_CACHE_DIR) one Mega MoE kernel variant for sm_90a; works without a GPU. "
           "block_n_l2: the L2 task width, 128 or (block_m 64) 256; wide_n_min: the narrowest transposed wide "
-          "tile, 64 or (fp8xfp4, block_m 64) 16 / 32. Returns the kernel's cache directory.");
+          "tile, 64 or (fp8xfp4, block_m 64) 16 / 32; signals_thread: (fp8xfp4, block_m 64) the kernel with the "
+          "signals thread. Returns the kernel's cache directory.");
 
     m.def("prepare_mega_moe",
           [](int mma_type, int num_ranks, int num_experts, int num_topk, int hidden, int intermediate_hidden,
@@ -96,13 +97,13 @@ inline void register_apis(py::module_& m) {
           "shared-memory opt-in). Returns the kernel's cache directory.");
 
     m.def("get_mega_moe_kernel_source",
-          [](int mma_type, int block_m, int num_stages, bool fast_math, int block_n_l2, int wide_n_min) {
+          [](int mma_type, int block_m, int num_stages, bool fast_math, int block_n_l2, int wide_n_min, bool signals_thread) {
               return jit_kernels::SM90MegaMoEVariant{static_cast<MmaType>(mma_type), block_m, num_stages, fast_math, block_n_l2,
-                                                     wide_n_min}
+                                                     wide_n_min, signals_thread}
                   .source();
           },
           py::arg("mma_type"), py::arg("block_m"), py::arg("num_stages"), py::arg("fast_math") = true,
-          py::arg("block_n_l2") = kMegaMoEBlockNL2, py::arg("wide_n_min") = 64,
+          py::arg("block_n_l2") = kMegaMoEBlockNL2, py::arg("wide_n_min") = 64, py::arg("signals_thread") = false,
           "The generated source of one Mega MoE kernel variant (for inspection).");
 
     m.def("get_mega_moe_l1_split_max",
@@ -127,6 +128,7 @@ inline void register_apis(py::module_& m) {
               d["fast_math"] = v.fast_math;
               d["block_n_l2"] = v.block_n_l2;
               d["wide_n_min"] = v.wide_n_min;
+              d["signals_thread"] = v.signals_thread;
               return d;
           },
           py::arg("mma_type"), py::arg("num_ranks"), py::arg("num_experts"), py::arg("num_topk"), py::arg("hidden"),
@@ -134,7 +136,8 @@ inline void register_apis(py::module_& m) {
           py::arg("max_smem_bytes") = mega_moe_tiles::kSM90MaxSmemBytes, py::arg("fast_math") = true,
           "The kernel variant launch_mega_moe would launch for this shape and token count (the heuristic's\n"
           "config with DG_MEGA_MOE_L2_BLOCK_N and DG_MEGA_MOE_WIDE_N applied): dict of name, mma_type, block_m,\n"
-          "num_stages, fast_math, block_n_l2, wide_n_min. Works without a GPU.");
+          "num_stages, fast_math, block_n_l2, wide_n_min, signals_thread (DG_MEGA_MOE_SIGNALS_THREAD applied too).\n"
+          "Works without a GPU.");
 }
 
 }  // namespace deep_gemm::apis::mega_moe

@@ -31,13 +31,13 @@ def _max_smem(device: torch.device) -> int:
 
 def kernel_variant(kind: str, num_ranks: int, num_experts: int, num_topk: int, hidden: int, intermediate_hidden: int,
                    num_tokens: int, num_sms: int, max_smem: int, fast_math: bool = True):
-    """(mma_type, block_m, num_stages, fast_math, block_n_l2, wide_n_min) of the kernel that a call with these
-    arguments launches: the C++ launcher's own choice (heuristic, DG_MEGA_MOE_L2_BLOCK_N and DG_MEGA_MOE_WIDE_N),
-    the key of `_C.compile_mega_moe`."""
+    """(mma_type, block_m, num_stages, fast_math, block_n_l2, wide_n_min, signals_thread) of the kernel that a
+    call with these arguments launches: the C++ launcher's own choice (heuristic, DG_MEGA_MOE_L2_BLOCK_N,
+    DG_MEGA_MOE_WIDE_N and DG_MEGA_MOE_SIGNALS_THREAD), the arguments of `_C.compile_mega_moe`."""
     v = _C.get_mega_moe_kernel_variant(mma_type_to_int(kind), num_ranks, num_experts, num_topk, hidden,
                                        intermediate_hidden, int(num_tokens), int(num_sms), int(max_smem),
                                        bool(fast_math))
-    return v['mma_type'], v['block_m'], v['num_stages'], v['fast_math'], v['block_n_l2'], v['wide_n_min']
+    return v['mma_type'], v['block_m'], v['num_stages'], v['fast_math'], v['block_n_l2'], v['wide_n_min'], v['signals_thread']
 
 
 _compiled_calls = set()

@@ -56,7 +56,7 @@ struct MegaMoEConfig {
     int block_n_l1;            // 256: 128 gate + 128 up columns
     int block_n_l2;            // L2 task width, a kernel variant: 128, or 256 (decode, 128-wide tasks outnumber the SMs)
     int wide_n_min;            // narrowest transposed wide tile, a kernel variant: 64, or 16 (FP8 x FP4 decode, many tokens per expert)
-    bool signals_thread;       // FP8 x FP4 decode: a dispatch thread raises the math's task signals (a run-time flag)
+    bool signals_thread;       // FP8 x FP4 decode: a dispatch thread raises the math's task signals (a kernel variant, `_sig`)
     int block_k;               // 128 (FP8) or 64 (BF16): one 128-byte swizzle row
     int num_stages;            // TMA -> WGMMA pipeline depth
     int num_prefetch_stages;   // weight stages an L1 task streams before its tokens are in (<= num_stages)
@@ -215,7 +215,7 @@ inline MegaMoEConfig get_mega_moe_config(MmaType mma_type, int num_ranks, int nu
         num_routed_pairs >= static_cast<int64_t>(kFP4WideTokensPerExpert) * num_experts)
         c.wide_n_min = 16;
 
-    // The signals thread (FP8 x FP4 decode kernels, MegaMoEParams::signals_thread): worth it where a
+    // The signals thread (a kernel variant of FP8 x FP4 decode, kSignalsThread): worth it where a
     // CTA runs many long tasks, each boundary paying the release fence and the L2 count's returning
     // atomic in warp 0; at a few tasks per CTA the extra hop lies on the L1 -> L2 chain
     const int64_t expected_tasks = experts_touched * expected_mblocks *

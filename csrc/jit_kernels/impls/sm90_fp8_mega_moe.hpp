@@ -46,13 +46,15 @@ inline int read_env_choice(const char* name, std::initializer_list<const char*> 
 }
 
 // One kernel: the kernel's template parameters, in their order (Kernel<kMmaType, BLOCK_M,
-// kNumStages, kFastMath, kL2BlockN, kWideNMin>)
+// kNumStages, kFastMath, kL2BlockN, kWideNMin>), and whether it is built with the signals thread
+// (DG_MEGA_MOE_SIGNALS_THREAD defined before the header)
 struct SM90MegaMoEVariant {
     MmaType mma_type;
     int block_m, num_stages;
     bool fast_math;
     int block_n_l2;     // L2 task width: 128, or 256 with block_m 64 (mega_moe_l2_block_n_ok)
     int wide_n_min = 64;   // narrowest transposed wide tile: 64, or 16 / 32 for FP8 x FP4 with block_m 64 (mega_moe_wide_n_ok)
+    bool signals_thread = false;   // FP8 x FP4 with block_m 64 only (mega_moe_signals_thread_ok)
 
     void check() const {
         if (not mega_moe_l2_block_n_ok(block_m, block_n_l2))
@@ -61,6 +63,9 @@ struct SM90MegaMoEVariant {
         if (not mega_moe_wide_n_ok(mma_type, block_m, wide_n_min))
             jit::raise_invalid_argument("wide_n_min: expected 64, or 16 / 32 for fp8xfp4 with block_m = 64; got ", wide_n_min,
                                         " with block_m = ", block_m);
+        if (signals_thread and not mega_moe_signals_thread_ok(mma_type, block_m))
+            jit::raise_invalid_argument("signals_thread: fp8xfp4 with block_m = 64 only; got block_m = ", block_m,
+                                        " (mma_type ", static_cast<int>(mma_type), ")");
     }
 
     std::string name() const {
@@ -68,6 +73,7 @@ struct SM90MegaMoEVariant {
         std::ostringstream os;
         os << "sm90_mega_moe_" << kNames[static_cast<int>(mma_type)] << "_m" << block_m << "_n" << block_n_l2
            << "_s" << num_stages << (fast_math ? "_fast" : "_exact");
+        if (signals_thread) os << "_sig";
         if (wide_n_min != 64) os << "_w" << wide_n_min;
         if (task_log() == 1) os << "_tasklog";
         if (task_log() == 2) os << "_tasklight";
@@ -87,6 +93,7 @@ struct SM90MegaMoEVariant {
         check();
         std::ostringstream os;
         if (task_log()) os << "#define DG_MEGA_MOE_TASK_LOG " << task_log() << "\n";
+        if (signals_thread) os << "#define DG_MEGA_MOE_SIGNALS_THREAD 1\n";
         os << "#include <deep_gemm/impls/sm90_fp8_mega_moe.cuh>\n\n"
            << "DG_DEFINE_SM90_MEGA_MOE_KERNEL(sm90_mega_moe, " << mma_type_cpp_name(mma_type) << ", " << block_m << ", "
            << num_stages << ", " << (fast_math ? "true" : "false") << ", " << block_n_l2 << ", " << wide_n_min << ")\n";
@@ -97,8 +104,8 @@ struct SM90MegaMoEVariant {
     // launch does not regenerate and hash the source.
     std::filesystem::path compile() const {
         static std::mutex mutex;
-        static std::map<std::tuple<int, int, int, bool, int, int>, std::filesystem::path> compiled;
-        const auto key = std::make_tuple(static_cast<int>(mma_type), block_m, num_stages, fast_math, block_n_l2, wide_n_min);
+        static std::map<std::tuple<int, int, int, bool, int, int, bool>, std::filesystem::path> compiled;
+        const auto key = std::make_tuple(static_cast<int>(mma_type), block_m, num_stages, fast_math, block_n_l2, wide_n_min, signals_thread);
         std::lock_guard<std::mutex> lock(mutex);
         if (auto it = compiled.find(key); it != compiled.end())
             return it->second;
@@ -148,7 +155,15 @@ inline int select_mega_moe_wide_n_min(const MegaMoEConfig& config) {
     return mega_moe_wide_n_ok(config.mma_type, config.block_m, n) ? n : 64;
 }
 
-// The config a call launches (the heuristic's, with the L2 width and wide tiles above) and its kernel variant
+// Whether a call launches the kernel with the signals thread: the heuristic's choice, or the tuning
+// aid DG_MEGA_MOE_SIGNALS_THREAD = 0 / 1 (read once per process) where the kernel can have one
+inline bool select_mega_moe_signals_thread(const MegaMoEConfig& config) {
+    static const int signals_override = read_env_choice("DG_MEGA_MOE_SIGNALS_THREAD", {"0", "1"});
+    const bool on = signals_override >= 0 ? signals_override == 1 : config.signals_thread;
+    return on and mega_moe_signals_thread_ok(config.mma_type, config.block_m);
+}
+
+// The config a call launches (the heuristic's, with the L2 width, wide tiles and signals thread above) and its kernel variant
 inline std::pair<MegaMoEConfig, SM90MegaMoEVariant> select_sm90_mega_moe_variant(
         MmaType mma_type, int num_ranks, int num_experts, int num_topk, int hidden, int intermediate_hidden,
         int num_tokens, int num_sms, int max_smem_bytes, bool fast_math) {
@@ -156,7 +171,9 @@ inline std::pair<MegaMoEConfig, SM90MegaMoEVariant> select_sm90_mega_moe_variant
                                       num_tokens, num_sms, max_smem_bytes);
     config.block_n_l2 = select_mega_moe_l2_block_n(config, hidden);
     config.wide_n_min = select_mega_moe_wide_n_min(config);
-    return {config, SM90MegaMoEVariant{mma_type, config.block_m, config.num_stages, fast_math, config.block_n_l2, config.wide_n_min}};
+    config.signals_thread = select_mega_moe_signals_thread(config);
+    return {config, SM90MegaMoEVariant{mma_type, config.block_m, config.num_stages, fast_math, config.block_n_l2, config.wide_n_min,
+                                       config.signals_thread}};
 }
 
 // Compile the variant a call with these arguments launches and, with `load`, load it into the
@@ -229,9 +246,6 @@ inline MegaMoEConfig launch_sm90_mega_moe(const SM90MegaMoEArgs& a) {
     params.num_prefetch_stages = prefetch_override.first >= 0 ? std::min(prefetch_override.first, config.num_stages) : config.num_prefetch_stages;
     params.num_prefetch_stages_l2 = prefetch_override.second >= 0 ? std::min(prefetch_override.second, config.num_stages) : config.num_prefetch_stages_l2;
     params.l1_split_max = mega_moe_l1_split_max(a.mma_type);
-    // DG_MEGA_MOE_SIGNALS_THREAD (tuning aid: 0 / 1, read once) or else the heuristic's choice
-    static const int signals_override = read_env_choice("DG_MEGA_MOE_SIGNALS_THREAD", {"0", "1"});
-    params.signals_thread = signals_override >= 0 ? signals_override : (config.signals_thread ? 1 : 0);
     // An FP8 x FP4 code block (8 KB, contiguous) is copied as 64 rows of 128 bytes, not as the
     // 128 weight rows of 64 bytes it holds: the same bytes land at the same shared-memory offsets
     // (unswizzled), with half the box rows for the TMA unit to walk per stage (-0.5 to -1.1 % at

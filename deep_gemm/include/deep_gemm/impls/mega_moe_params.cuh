@@ -128,7 +128,9 @@ constexpr int kMegaMoEMaxKBlocks = 128;
 constexpr int kMegaMoEFP4TableBytes = 16 * 8;
 constexpr int kMegaMoEFP4TableAlign = 128;
 constexpr int kMegaMoEFP4TablePad = kMegaMoEFP4TableAlign - 16;
-// The signals thread's mailboxes (FP8 x FP4 decode, MegaMoEParams::signals_thread): per math
+// FP8 x FP4 decode kernels only may be built with the signals thread (a kernel variant, `_sig`)
+DG_HOST_DEVICE constexpr bool mega_moe_signals_thread_ok(MmaType t, int block_m) { return t == MmaType::kFP8xFP4 and block_m == 64; }
+// The signals thread's mailboxes (FP8 x FP4 decode kernels built with it): per math
 // warpgroup a ring of kMegaMoESignalPosts posts, each a full and an empty mbarrier and a 4-byte
 // word. They take the half of the pulled rows' table that 64-row M-blocks leave unused.
 constexpr int kMegaMoESignalPosts = 4;
@@ -235,9 +237,6 @@ struct MegaMoEParams {
     // Most K parts per split-K L1 tile (DG_MEGA_MOE_L1_SPLIT, else the heuristic's cap per format;
     // 1 = never split): the kernel picks 1, 2 or 4 per call when every L1 tile is narrow (docs/KERNEL.md)
     int l1_split_max;
-    // FP8 x FP4 decode kernels: the math hands its task signals to a dispatch thread, which raises
-    // them (DG_MEGA_MOE_SIGNALS_THREAD, else the heuristic's choice; other kernels ignore it)
-    int signals_thread;
 };
 
 // `SymmBuffer.stage(x, topk_idx, topk_weights)`: one launch that fills a rank's inputs

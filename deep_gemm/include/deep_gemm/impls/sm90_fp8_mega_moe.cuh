@@ -74,6 +74,13 @@ constexpr bool kTaskLogKBlocks = DG_MEGA_MOE_TASK_LOG == 1;
 // The trace's K-block stamps of each CTA's first L1 task (kTraceKbReady / kTraceKbIssue): off in the light log
 constexpr bool kTraceKBlockStamps = DG_MEGA_MOE_TASK_LOG != 2;
 
+// The signals thread (FP8 x FP4 decode kernels, the `_sig` variant the heuristic picks where a CTA
+// runs many long tasks: settle_signals)
+#ifndef DG_MEGA_MOE_SIGNALS_THREAD
+#define DG_MEGA_MOE_SIGNALS_THREAD 0
+#endif
+constexpr bool kSignalsThreadBuild = DG_MEGA_MOE_SIGNALS_THREAD != 0;
+
 struct SharedControl {
     int first_task;
     int count_slice;   // the count slice this CTA claimed last (kControlCountClaim)
@@ -335,6 +342,8 @@ struct Kernel {
     // the task loop put local accesses into the K-loops (SASS). Every other kernel compiles to the
     // SASS it has without the deferral.
     static constexpr bool kDeferTaskSignals = kFP4 and BLOCK_M == 64;
+    static constexpr bool kSignalsThread = kSignalsThreadBuild and kDeferTaskSignals;
+    static_assert(not kSignalsThreadBuild or mega_moe_signals_thread_ok(kMmaType, BLOCK_M), "the signals thread: FP8 x FP4 decode kernels only");
     int owed_l1_m = -1;
     bool owed_l2 = false;
 
@@ -1227,9 +1236,9 @@ struct Kernel {
             // one decision for the whole group (its next named barrier needs every thread)
             // Calls with the signals thread: past this CTA's pulls (its tickets rise) dispatch thread 0
             // takes over the group's part of the ring and raises the math's signals (signals_worker)
-            const bool to_signals = kDeferTaskSignals and p.signals_thread and t >= tasks.pull_end();
+            const bool to_signals = kSignalsThread and t >= tasks.pull_end();
             if (named_barrier_or(kBarrierDispatchDecide, kNumDispatchThreads, to_signals or t >= total or sm.ctrl->abort)) {
-                if constexpr (kDeferTaskSignals) {
+                if constexpr (kSignalsThread) {
                     if (to_signals and dispatch_thread == 0) signals_worker(i + 1, t >= total);
                 }
                 break;
@@ -1792,7 +1801,7 @@ struct Kernel {
         }
     }
 
-    // The signals thread (p.signals_thread, FP8 x FP4 decode kernels): thread 0 of a math warpgroup
+    // The signals thread (kSignalsThread: FP8 x FP4 decode kernels built with it): thread 0 of a math warpgroup
     // hands what it owes to dispatch thread 0 instead of raising it, so the release fence (its wait
     // for the epilogue's stores) and the L2 count's returning atomic leave warp 0, which the
     // warpgroup's next wgmma waits for. A post is one word in a ring of kMegaMoESignalPosts per
@@ -1806,22 +1815,20 @@ struct Kernel {
     uint32_t signal_posts_made = 0;   // thread 0 of a math warpgroup: its posts so far
     static constexpr uint32_t kPostL2 = 1u << 30, kPostLast = 1u << 31;
     __device__ void settle_signals(const MathThread& mt, bool leave) {
-        if constexpr (kDeferTaskSignals) {
-            if (p.signals_thread) {
-                if (mt.tid != 0 or (not leave and owed_l1_m < 0 and not owed_l2)) return;
-                const uint32_t q = signal_posts_made++;
-                const int slot = static_cast<int>(q % kMegaMoESignalPosts);
-                // the slot's previous post read (the first round passes at once); false on abort
-                if (not bounded_wait(p, sm.ctrl, Phase::kPipeline, p.rank,
-                                     [&] { return mbarrier_try_wait(sm.signal_empty(mt.wg, slot), ((q / kMegaMoESignalPosts) & 1) ^ 1); }))
-                    return;
-                st_shared_u32(sm.signal_post(mt.wg, slot), static_cast<uint32_t>(owed_l1_m + 1) | (owed_l2 ? kPostL2 : 0u) | (leave ? kPostLast : 0u));
-                mbarrier_arrive(sm.signal_full(mt.wg, slot));
-                owed_l1_m = -1, owed_l2 = false;
+        if constexpr (kSignalsThread) {
+            if (mt.tid != 0 or (not leave and owed_l1_m < 0 and not owed_l2)) return;
+            const uint32_t q = signal_posts_made++;
+            const int slot = static_cast<int>(q % kMegaMoESignalPosts);
+            // the slot's previous post read (the first round passes at once); false on abort
+            if (not bounded_wait(p, sm.ctrl, Phase::kPipeline, p.rank,
+                                 [&] { return mbarrier_try_wait(sm.signal_empty(mt.wg, slot), ((q / kMegaMoESignalPosts) & 1) ^ 1); }))
                 return;
-            }
+            st_shared_u32(sm.signal_post(mt.wg, slot), static_cast<uint32_t>(owed_l1_m + 1) | (owed_l2 ? kPostL2 : 0u) | (leave ? kPostLast : 0u));
+            mbarrier_arrive(sm.signal_full(mt.wg, slot));
+            owed_l1_m = -1, owed_l2 = false;
+        } else {
+            raise_signals();
         }
-        raise_signals();
     }
     // Dispatch thread 0 once its CTA's pulls are behind it (its ticket at ring index ring_next - 1
     // was past the pulls; ring_done: it was the last): consume the ring for the whole dispatch group
@@ -2734,7 +2741,7 @@ struct Kernel {
                 mbarrier_init(sm.ring_empty + r, kNumRingConsumers);
             }
             for (int i = 0; i < kPullSlots; ++i) mbarrier_init(sm.pull_bars + i, 1);   // its dispatch thread
-            if constexpr (kDeferTaskSignals)
+            if constexpr (kSignalsThread)
                 for (int i = 0; i < kNumMathWGs * kMegaMoESignalPosts; ++i)
                     mbarrier_init(sm.signal_full(i / kMegaMoESignalPosts, i % kMegaMoESignalPosts), 1),   // the poster
                     mbarrier_init(sm.signal_empty(i / kMegaMoESignalPosts, i % kMegaMoESignalPosts), 1);  // the signals thread
