@@ -1801,17 +1801,19 @@ struct Kernel {
         }
     }
 
-    // The signals thread (kSignalsThread: FP8 x FP4 decode kernels built with it): thread 0 of a math warpgroup
-    // hands what it owes to dispatch thread 0 instead of raising it, so the release fence (its wait
-    // for the epilogue's stores) and the L2 count's returning atomic leave warp 0, which the
-    // warpgroup's next wgmma waits for. A post is one word in a ring of kMegaMoESignalPosts per
-    // warpgroup: the owed L1 M-block + 1 (bits 0-29), the owed L2 count (bit 30), the warpgroup's
-    // last post (bit 31, at the ticket it leaves on). Ordering: the epilogue's stores, the
-    // warpgroup's barrier, the post's mbarrier arrival (release, CTA scope), the signals thread's
-    // wait (acquire), its release at gpu / system scope: cumulativity carries every thread's stores
-    // as when thread 0 raised the signal itself. Measured -1.3 to -2 % at v4-flash FP8 x FP4
-    // n = 8 / 128 and deepseek-v3 n = 8, +4 to 5 % at one token and +1.5 % at mid (docs/PERF.md,
-    // sessions 21-22): the heuristic turns it on where tasks are many and long.
+    // The signals thread (kSignalsThread: FP8 x FP4 decode kernels built with it): thread 0 of a
+    // math warpgroup hands what it owes to dispatch thread 0 instead of raising it, so the release
+    // fence (its wait for the epilogue's stores) and the L2 count's returning atomic leave warp 0,
+    // which the warpgroup's next wgmma waits for. A post is one word in a ring of
+    // kMegaMoESignalPosts per warpgroup: the owed L1 M-block + 1 (bits 0-29), the owed L2 count
+    // (bit 30), the warpgroup's last post (bit 31, at the ticket it leaves on). Ordering: the
+    // epilogue's stores, the warpgroup's barrier, the post's mbarrier arrival (release, CTA scope),
+    // the signals thread's wait (acquire), its release at gpu / system scope: cumulativity carries
+    // every thread's stores as when thread 0 raised the signal itself. A kernel variant: measured
+    // -1.8 / -3.1 / -3.9 % at v4-flash FP8 x FP4 n = 4 / 8 / 128 and -1.9 % at deepseek-v3 n = 8,
+    // but +7 % at one token, where the hop lies on the L1 -> L2 chain (docs/PERF.md, session 22);
+    // as a run-time flag its off path cost the other calls 1-4 % (registers moved in the task
+    // loop). The heuristic picks it where tasks are many and long.
     uint32_t signal_posts_made = 0;   // thread 0 of a math warpgroup: its posts so far
     static constexpr uint32_t kPostL2 = 1u << 30, kPostLast = 1u << 31;
     __device__ void settle_signals(const MathThread& mt, bool leave) {
@@ -1840,7 +1842,7 @@ struct Kernel {
         uint32_t taken[kNumMathWGs] = {};
         bool last[kNumMathWGs] = {};
         uint64_t idle_since = 0;
-        for (uint32_t n = 0;; ++n) {
+        for (;;) {
             bool progress = false;
             while (not ring_done and mbarrier_test_wait(sm.ring_full + ring_next % kMegaMoETaskRing, (ring_next / kMegaMoETaskRing) & 1)) {
                 const int t = sm.ring_task[ring_next % kMegaMoETaskRing];
