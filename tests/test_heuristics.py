@@ -395,8 +395,7 @@ def test_launcher_rejects_a_bad_wide_n_setting():
 
 
 # The signals thread (FP8 x FP4 decode, a kernel variant): on from kSignalsThreadMinTasksPerSM (4)
-# expected L1 + L2 tasks per SM when an L2 task streams at least 16 K-blocks (intermediate 2048),
-# off at one token (v4-flash: 96 + 96 tasks on 132 SMs), at mid (6 K-blocks an L2 task), in prefill
+# expected L1 + L2 tasks per SM, off at one token (v4-flash: 96 + 96 tasks on 132 SMs), in prefill
 # tiles and in the other formats (their kernels raise their own signals)
 @pytest.mark.parametrize('fmt, hidden, inter, experts, topk, n, on', [
     ('fp8xfp4', 4096, 2048, 256, 6, 1, False),    # 192 tasks on 132 SMs
@@ -405,8 +404,10 @@ def test_launcher_rejects_a_bad_wide_n_setting():
     ('fp8xfp4', 4096, 2048, 256, 6, 8, True),
     ('fp8xfp4', 4096, 2048, 256, 6, 128, True),
     ('fp8xfp4', 7168, 2048, 256, 8, 8, True),
-    ('fp8xfp4', 2048, 768, 128, 8, 8, False),     # mid: 6 K-blocks an L2 task
-    ('fp8xfp4', 2048, 768, 128, 8, 128, False),
+    ('fp8xfp4', 2048, 768, 128, 8, 1, False),     # mid: 8 x (6 + 8) = 112 tasks
+    ('fp8xfp4', 2048, 768, 128, 8, 4, False),     # 448: 3.4 per SM
+    ('fp8xfp4', 2048, 768, 128, 8, 8, True),      # 896
+    ('fp8xfp4', 2048, 768, 128, 8, 128, True),
     ('fp8xfp4', 4096, 2048, 256, 6, 4096, False),  # prefill tiles
     ('fp8xfp8', 4096, 2048, 256, 6, 8, False),
     ('bf16xbf16', 4096, 2048, 256, 6, 128, False),

@@ -39,12 +39,11 @@ constexpr int kDecodeL1PrefetchStages = 2;
 // Expected tokens per expert from which FP8 x FP4 decode launches the kernel with transposed tiles of
 // N = 16 / 32 (6: ~15 % of the M-blocks hold more than 8 tokens at Poisson 6)
 constexpr int kFP4WideTokensPerExpert = 6;
-// The signals thread (FP8 x FP4 decode): from this many expected L1 + L2 tasks per SM, when an L2
-// task streams at least kSignalsThreadMinL2KBlocks K-blocks (docs/PERF.md, sessions 21-22: -1.3 to
-// -2 % at v4-flash n = 8 / 128 and deepseek-v3 n = 8, ~10 tasks per SM and 16 K-blocks an L2 task;
-// +4 to 5 % at v4-flash one token, 1.5 tasks per SM; +1.5 % at mid n = 8 / 128, 6 K-blocks an L2 task)
+// The signals thread (FP8 x FP4 decode): from this many expected L1 + L2 tasks per SM (docs/PERF.md,
+// session 22: -1.8 to -3.9 % at v4-flash n = 4 / 8 / 128, 5.8-31 tasks per SM, -1.6 / -5.0 / -2.6 %
+// at mid n = 8 / 32 / 128, -1.9 % at deepseek-v3 n = 8; +4.2 % at v4-flash n = 2, 2.9 per SM, and
+// +7 % at one token, 1.5)
 constexpr int kSignalsThreadMinTasksPerSM = 4;
-constexpr int kSignalsThreadMinL2KBlocks = 16;
 // Opt-in shared memory per block on every Hopper part the kernel targets (H100/H200: 227 KB)
 constexpr int kSM90MaxSmemBytes = 232448;
 }  // namespace mega_moe_tiles
@@ -216,12 +215,11 @@ inline MegaMoEConfig get_mega_moe_config(MmaType mma_type, int num_ranks, int nu
         c.wide_n_min = 16;
 
     // The signals thread (a kernel variant of FP8 x FP4 decode, kSignalsThread): worth it where a
-    // CTA runs many long tasks, each boundary paying the release fence and the L2 count's returning
+    // CTA runs many tasks, each boundary paying the release fence and the L2 count's returning
     // atomic in warp 0; at a few tasks per CTA the extra hop lies on the L1 -> L2 chain
     const int64_t expected_tasks = experts_touched * expected_mblocks *
                                    (2 * static_cast<int64_t>(intermediate_hidden) / c.block_n_l1 + hidden / c.block_n_l2);
     c.signals_thread = mma_type == MmaType::kFP8xFP4 and c.block_m == 64 and
-                       intermediate_hidden / c.block_k >= kSignalsThreadMinL2KBlocks and
                        expected_tasks >= static_cast<int64_t>(kSignalsThreadMinTasksPerSM) * num_sms;
     return c;
 }
