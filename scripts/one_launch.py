@@ -53,7 +53,7 @@ try:
     status = 'no error recorded'
 except deep_gemm.MegaMoEError as err:
     status = f'recorded: {err}'
-# the kernel rank 0 launched: (mma_type, block_m, num_stages, fast_math, block_n_l2, wide_n_min)
+# the kernel rank 0 launched: (mma_type, block_m, num_stages, fast_math, block_n_l2, wide_n_min, signals_thread)
 variant = kernel_variant(fmt, args.ranks, e, k, h, i, ns[0], args.sms, _max_smem(torch.device('cuda')))
 print(f'{fmt} n={args.tokens} ranks={args.ranks} bad_ids={args.bad_ids}: worst calc_diff {worst:.3e}; {status}; '
       f'kernel variant {variant}', flush=True)

@@ -58,9 +58,8 @@ def variants(formats=DEFAULT_FORMATS):
                 keys.append((t, m, s, f, 128, 64, False))
     keys += [(t, m, s, fast, 256, 64, False) for t, m, s, fast, *_ in keys if m == 64]
     fp4_decode = [k for k in keys if k[1] == 64 and k[0] == MMA_TYPES['fp8xfp4']]
-    keys += [(t, m, s, fast, l2, 16, False) for t, m, s, fast, l2, *_ in fp4_decode]
-    keys += [(t, m, s, fast, l2, w, True) for t, m, s, fast, l2, w in
-             [k[:6] for k in keys if k[1] == 64 and k[0] == MMA_TYPES['fp8xfp4']]]
+    fp4_decode += [(*k[:5], 16, False) for k in fp4_decode]
+    keys += fp4_decode[len(fp4_decode) // 2:] + [(*k[:6], True) for k in fp4_decode]
     return list(dict.fromkeys(keys))
 
 

@@ -169,7 +169,7 @@ def test_fp4_signals_thread(args):
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, f'{run.stdout}\n{run.stderr[-3000:]}'
     variant = ast.literal_eval(re.search(r'kernel variant (\([^)]*\))', run.stdout).group(1))
-    assert variant[1] == 64, f'{variant}: not a decode kernel (the signals thread is theirs)'
+    assert variant[1] == 64 and variant[6] is True, f'{variant}: not the decode kernel with the signals thread'
     record_diff('fp8xfp4', float(re.search(r'worst calc_diff (\S+);', run.stdout).group(1)))
 
 
