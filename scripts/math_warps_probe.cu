@@ -1,0 +1,227 @@
+// Would more math warps per scheduler speed up the FP8 x FP4 narrow decode K-block? A model of the
+// Mega MoE kernel's narrow L1 loop (narrow_l1_mainloop, FP8 x FP4) with its math and its stage ring
+// but no memory traffic: one producer thread cycles a 6-stage ring of shared-memory stages whose
+// contents stay put (packed E2M1 codes of a 256-row K-block, their deltas, an 8-token A tile), and W
+// math warpgroups share each K-block's four 64-row M tiles (gate 0, gate 1, up 0, up 1), T = 4 / W
+// tiles each: W = 2 is the kernel's split (each warpgroup gate w and up w), W = 4 one tile each,
+// W = 1 all four. Per K-block and tile a thread does what the kernel's does: two 16-byte code loads
+// and two delta loads, the table offsets, per 32-bit code word one 8-byte table-row load and the
+// PRMT / LOP3 expansion into wgmma A fragments, `wgmma.fence`, four m64n8k32 RS wgmmas; then
+// commit, wait, release (lane 0 of each warp arrives on the stage's empty barrier) and the
+// promotion FMAs. Modes: 0 as above, 1 without the wgmmas (expansion only), 2 without the
+// expansion (wgmmas on fragments expanded once, before the loop).
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/math_probe scripts/math_warps_probe.cu
+//   /tmp/math_probe        (one CTA per SM on every SM; prints ns per K-block per CTA for W = 1, 2, 4)
+// Result (H200, session 24): docs/PERF.md, "2026-12-02 (session 24)".
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include "probe_common.cuh"
+
+constexpr int kStages = 6;
+constexpr int kRows = 256;                    // a K-block of a narrow L1 tile: gate 128 + up 128 rows
+constexpr int kRowBytes = 64;                 // 128 K of E2M1 per row
+constexpr int kCodeBytes = kRows * kRowBytes; // 16 KB
+constexpr int kDeltaBytes = kRows * 4;        // one delta byte per 32-group, 4 groups per row
+constexpr int kABytes = 8 * 128;              // 8 tokens x 128 bytes of E4M3, 128B-swizzled
+constexpr int kStageBytes = kCodeBytes + kDeltaBytes + kABytes;   // 18 KB, a multiple of 1024
+constexpr int kTableBytes = 128;              // 16 deltas x 8-byte magnitude rows
+static_assert(kStageBytes % 1024 == 0, "A tiles 1024-aligned");
+
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+    uint32_t r;
+    asm volatile("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+    return r;
+}
+__device__ __forceinline__ uint4 lds128(uint32_t a) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
+    return v;
+}
+__device__ __forceinline__ uint2 lds64(uint32_t a) {
+    uint2 v;
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(a));
+    return v;
+}
+__device__ __forceinline__ uint32_t lds32(uint32_t a) {
+    uint32_t v;
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(a));
+    return v;
+}
+__device__ __forceinline__ uint32_t word_of(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
+__device__ __forceinline__ uint64_t now_ns() { uint64_t t; asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t)); return t; }
+__device__ __forceinline__ void named_sync(int id, int n) { asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(n) : "memory"); }
+
+// K-major 128B-swizzled shared-memory descriptor (PTX ISA "Matrix Descriptor Format"): stride 1024
+// between 8-row groups, swizzle mode 1 (128 B)
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t smem) {
+    return ((smem & 0x3FFFFu) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
+}
+// D (64 x 8, FP32) += A (64 x 32 E4M3, registers) x B (8 x 32 E4M3, K-major in shared memory)
+__device__ __forceinline__ void wgmma_n8(const uint32_t (&a)[4], uint64_t b, float (&d)[4], int scale_d) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void keep(float (&d)[N]) {
+    #pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
+}
+__device__ __forceinline__ void keep(uint32_t (&a)[4][4]) {
+    #pragma unroll
+    for (int i = 0; i < 4; ++i)
+        #pragma unroll
+        for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(a[i][j]) :: "memory");
+}
+
+// The kernel's expansion rule (sm90_fp8_mega_moe.cuh: expand_e2m1x8, fp4_magnitudes, fp4_table_offsets)
+__device__ __forceinline__ uint2 expand8(uint32_t codes, uint2 mag) {
+    const uint32_t sel = codes & 0x77777777u;
+    return make_uint2(prmt(mag.x, mag.y, sel) | (codes & 0x80808080u), prmt(mag.x, mag.y, sel >> 16) | ((codes << 4) & 0x80808080u));
+}
+struct Rows { uint4 codes[2]; uint32_t offsets[2]; };
+
+template <int W, int kMode>
+__global__ void __launch_bounds__(128 * (W + 1), 1) probe(int num_kb, unsigned long long* out_ns, float* sink) {
+    constexpr int T = 4 / W;   // M tiles per warpgroup and K-block
+    extern __shared__ __align__(1024) uint8_t smem[];
+    uint8_t* stages = smem;
+    uint8_t* table = smem + kStages * kStageBytes;
+    auto* full = reinterpret_cast<uint64_t*>(table + kTableBytes);
+    auto* empty = full + kStages;
+    // Contents: codes and A of small E4M3 values, deltas 0..15, magnitudes as the kernel's table
+    for (int i = threadIdx.x; i < kStages * kStageBytes / 4; i += blockDim.x)
+        reinterpret_cast<uint32_t*>(stages)[i] = (i * 2654435761u) & 0x0f3f0f3fu;
+    for (int i = threadIdx.x; i < kTableBytes; i += blockDim.x) table[i] = static_cast<uint8_t>((i * 7) & 0x3f);
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < kStages; ++s) mb_init(full + s, 1), mb_init(empty + s, 4 * W);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    const uint64_t t0 = now_ns();
+    if (threadIdx.x < 128) {
+        if (threadIdx.x == 0) {   // producer: a stage is "filled" by arriving on its full barrier
+            for (int it = 0; it < num_kb; ++it) {
+                const int s = it % kStages;
+                mb_wait(empty + s, ((it / kStages) & 1) ^ 1);
+                mb_arrive(full + s);
+            }
+        }
+        return;
+    }
+    const int wg = threadIdx.x / 128 - 1, tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+    const uint32_t tab = sa(table), hi = (tab & 0x80u) * 0x01010101u;
+    float acc[T][4] = {};
+    uint32_t frag[T][4][4];
+    #pragma unroll
+    for (int t = 0; t < T; ++t)
+        #pragma unroll
+        for (int k = 0; k < 4; ++k)
+            #pragma unroll
+            for (int j = 0; j < 4; ++j) frag[t][k][j] = 0x38383838u;
+    for (int kb = 0; kb < num_kb; ++kb) {
+        const int s = kb % kStages;
+        mb_wait(full + s, (kb / kStages) & 1);
+        const uint32_t base = sa(stages + s * kStageBytes);
+        const uint64_t desc_a = sw128_desc(base + kCodeBytes + kDeltaBytes);
+        Rows r[T];
+        #pragma unroll
+        for (int t = 0; t < T; ++t) {
+            // tile q of the four: W = 2 -> gate wg, up wg (the kernel's rows 64 wg and 128 + 64 wg)
+            const int q = W == 2 ? (t == 0 ? wg : 2 + wg) : W == 4 ? wg : t;
+            const int row0 = (q / 2) * 128 + (q % 2) * 64, row = row0 + warp * 16 + lane / 4;
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                r[t].codes[h] = lds128(base + (row + 8 * h) * kRowBytes + (lane % 4) * 16);
+                r[t].offsets[h] = ((lds32(base + kCodeBytes + (row + 8 * h) * 4) << 3) & 0x78787878u) | hi;
+            }
+        }
+        float part[T][4];
+        #pragma unroll
+        for (int t = 0; t < T; ++t) {
+            keep(part[t]);
+            if constexpr (kMode != 2) {
+                #pragma unroll
+                for (int ks = 0; ks < 4; ++ks)
+                    #pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const uint2 e = expand8(word_of(r[t].codes[h], ks), lds64(prmt(r[t].offsets[h], tab, 0x7650u + ks)));
+                        frag[t][ks][h] = e.x, frag[t][ks][2 + h] = e.y;
+                    }
+            }
+            if constexpr (kMode != 1) {
+                wg_fence();
+                #pragma unroll
+                for (int ks = 0; ks < 4; ++ks) wgmma_n8(frag[t][ks], desc_a + ks * 2, part[t], ks > 0);
+            } else {
+                #pragma unroll
+                for (int i = 0; i < 4; ++i) part[t][i] = __uint_as_float(frag[t][i][0] ^ frag[t][i][3]) * 1e-30f;
+            }
+        }
+        wg_commit();
+        wg_wait0();
+        #pragma unroll
+        for (int t = 0; t < T; ++t) keep(part[t]), keep(frag[t]);
+        if (lane == 0) mb_arrive(empty + s);
+        #pragma unroll
+        for (int t = 0; t < T; ++t)
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) acc[t][i] += part[t][i] * 0.5f;
+    }
+    named_sync(1, 128 * W);
+    if (tid == 0 and wg == 0) out_ns[blockIdx.x] = now_ns() - t0;
+    float v = 0.0f;
+    #pragma unroll
+    for (int t = 0; t < T; ++t)
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) v += acc[t][i];
+    if (v == 1234.5f) sink[threadIdx.x] = v;   // keeps the math live
+}
+
+template <int W, int kMode>
+void run(int sms, int num_kb, unsigned long long* d_ns, float* d_sink) {
+    const int smem = 200 * 1024;   // one CTA per SM
+    cudaFuncSetAttribute(probe<W, kMode>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    probe<W, kMode><<<sms, 128 * (W + 1), smem>>>(num_kb, d_ns, d_sink);   // warm-up
+    cudaDeviceSynchronize();
+    probe<W, kMode><<<sms, 128 * (W + 1), smem>>>(num_kb, d_ns, d_sink);
+    if (cudaError_t e = cudaDeviceSynchronize(); e != cudaSuccess) {
+        std::printf("W=%d mode=%d: %s\n", W, kMode, cudaGetErrorString(e));
+        std::exit(1);
+    }
+    std::vector<unsigned long long> ns(sms);
+    cudaMemcpy(ns.data(), d_ns, sms * sizeof(unsigned long long), cudaMemcpyDeviceToHost);
+    std::sort(ns.begin(), ns.end());
+    const char* modes[] = {"expand + wgmma", "expand only", "wgmma only"};
+    std::printf("W = %d math warpgroups (%d M tile%s each), %-14s: %6.1f ns per K-block (median CTA; min %.1f, max %.1f)\n",
+                W, 4 / W, W == 4 ? "" : "s", modes[kMode], ns[sms / 2] / double(num_kb), ns[0] / double(num_kb), ns[sms - 1] / double(num_kb));
+}
+
+int main() {
+    int sms = 0;
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+    const int num_kb = 20000;
+    unsigned long long* d_ns;
+    float* d_sink;
+    cudaMalloc(&d_ns, sms * sizeof(unsigned long long));
+    cudaMalloc(&d_sink, 1024 * sizeof(float));
+    std::printf("%d CTAs (one per SM), %d K-blocks each\n", sms, num_kb);
+    run<2, 0>(sms, num_kb, d_ns, d_sink);
+    run<4, 0>(sms, num_kb, d_ns, d_sink);
+    run<1, 0>(sms, num_kb, d_ns, d_sink);
+    run<2, 1>(sms, num_kb, d_ns, d_sink);
+    run<4, 1>(sms, num_kb, d_ns, d_sink);
+    run<2, 2>(sms, num_kb, d_ns, d_sink);
+    run<4, 2>(sms, num_kb, d_ns, d_sink);
+    return 0;
+}
