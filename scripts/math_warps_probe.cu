@@ -9,7 +9,20 @@
 // PRMT / LOP3 expansion into wgmma A fragments, `wgmma.fence`, four m64n8k32 RS wgmmas; then
 // commit, wait, release (lane 0 of each warp arrives on the stage's empty barrier) and the
 // promotion FMAs. Modes: 0 as above, 1 without the wgmmas (expansion only), 2 without the
-// expansion (wgmmas on fragments expanded once, before the loop).
+// expansion (wgmmas on fragments expanded once, before the loop), 3 the fragments stored into an
+// E4M3 tile in shared memory (4 x 16-byte stores per tile, 128B-swizzled rows; the bytes' K order
+// is not the wgmma's, which timing does not see), proxy fence and warpgroup barrier, then SS wgmmas
+// (A from shared memory instead of registers), 4 as 0 with warpgroup 1 started half a K-block
+// (430 cycles) late, so the two warpgroups' expansions and wgmmas alternate. Streamed runs: the producer
+// fills each stage from HBM as the kernel's does (two 8 KB code blocks, two 512-byte delta blocks,
+// the 1 KB A tile, by bulk copies; every CTA its own slice of a 2 GB region, never L2-resident),
+// so the math meets the memory side of fp4_stream_probe.cu. Extras (a bit mask, what the kernel's
+// loop has beyond this model): 1 the promotion's four scale loads per K-block (two token scales per
+// thread, two weight scales) and their products, 2 the stage index opaque to the compiler (not
+// provably warp-uniform, as the kernel's stage_iter: descriptors through R2UR), 4 a trace test per
+// K-block (a parameter pointer that is null, the kernel's per-K-block stamps), 8 the top-k weights
+// loaded in the first K-block (two predicated global loads). Each line also gives SM cycles per
+// K-block (clock64) and the clock they imply.
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/math_probe scripts/math_warps_probe.cu
 //   /tmp/math_probe        (one CTA per SM on every SM; prints ns per K-block per CTA for W = 1, 2, 4)
 // Result (H200, session 24): docs/PERF.md, "2026-12-02 (session 24)".
@@ -69,6 +82,15 @@ __device__ __forceinline__ void wgmma_n8(const uint32_t (&a)[4], uint64_t b, flo
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
 }
+// The same with A (64 x 32 E4M3) K-major in shared memory
+__device__ __forceinline__ void wgmma_n8_ss(uint64_t a, uint64_t b, float (&d)[4], int scale_d) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, %4, %5, p, 1, 1;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "l"(a), "l"(b), "r"(scale_d));
+}
+__device__ __forceinline__ void sts128(uint32_t a, uint32_t x, uint32_t y, uint32_t z, uint32_t w) {
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" :: "r"(a), "r"(x), "r"(y), "r"(z), "r"(w) : "memory");
+}
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
@@ -91,12 +113,20 @@ __device__ __forceinline__ uint2 expand8(uint32_t codes, uint2 mag) {
 }
 struct Rows { uint4 codes[2]; uint32_t offsets[2]; };
 
-template <int W, int kMode>
-__global__ void __launch_bounds__(128 * (W + 1), 1) probe(int num_kb, unsigned long long* out_ns, float* sink) {
+__device__ __forceinline__ void bulk(uint32_t dst, const void* src, uint32_t bytes, uint64_t* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                 :: "r"(dst), "l"(reinterpret_cast<uint64_t>(src)), "r"(bytes), "r"(sa(bar)) : "memory");
+}
+
+// src: null, or [CTA][K-block][16 KB codes | 1 KB deltas] and 1 KB of A at its end (shared)
+template <int W, int kMode, int kProducerWork = 0, bool kBusyWarp = false, int kExtras = 0>
+__global__ void __launch_bounds__(128 * (W + 1), 1) probe(int num_kb, const uint8_t* src, unsigned long long* out_ns, float* sink,
+                                                          unsigned long long* trace) {
     constexpr int T = 4 / W;   // M tiles per warpgroup and K-block
     extern __shared__ __align__(1024) uint8_t smem[];
     uint8_t* stages = smem;
-    uint8_t* table = smem + kStages * kStageBytes;
+    uint8_t* e4m3 = smem + kStages * kStageBytes;   // mode 3: [warpgroup][tile][64 rows x 128 B]
+    uint8_t* table = e4m3 + 4 * 8192;
     auto* full = reinterpret_cast<uint64_t*>(table + kTableBytes);
     auto* empty = full + kStages;
     // Contents: codes and A of small E4M3 values, deltas 0..15, magnitudes as the kernel's table
@@ -104,18 +134,57 @@ __global__ void __launch_bounds__(128 * (W + 1), 1) probe(int num_kb, unsigned l
         reinterpret_cast<uint32_t*>(stages)[i] = (i * 2654435761u) & 0x0f3f0f3fu;
     for (int i = threadIdx.x; i < kTableBytes; i += blockDim.x) table[i] = static_cast<uint8_t>((i * 7) & 0x3f);
     if (threadIdx.x == 0) {
+        *reinterpret_cast<volatile int*>(table + kTableBytes + 2 * kStages * 8) = 0;   // math done (kBusyWarp)
         for (int s = 0; s < kStages; ++s) mb_init(full + s, 1), mb_init(empty + s, 4 * W);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
     const uint64_t t0 = now_ns();
+    const long long c0 = clock64();
     if (threadIdx.x < 128) {
-        if (threadIdx.x == 0) {   // producer: a stage is "filled" by arriving on its full barrier
+        if (threadIdx.x == 0) {   // producer: a stage is "filled" by arriving on its full barrier (or by copies)
+            const uint8_t* a_src = src + size_t(gridDim.x) * num_kb * (kCodeBytes + kDeltaBytes);
             for (int it = 0; it < num_kb; ++it) {
                 const int s = it % kStages;
                 mb_wait(empty + s, ((it / kStages) & 1) ^ 1);
-                mb_arrive(full + s);
+                if (src == nullptr) {
+                    mb_arrive(full + s);
+                    continue;
+                }
+                mb_arrive_tx(full + s, kStageBytes);
+                const uint32_t st = sa(stages + s * kStageBytes);
+                const uint8_t* blk = src + (size_t(blockIdx.x) * num_kb + it) * (kCodeBytes + kDeltaBytes);
+                for (int h = 0; h < 2; ++h) {
+                    bulk(st + h * (kCodeBytes / 2), blk + h * (kCodeBytes / 2), kCodeBytes / 2, full + s);
+                    bulk(st + kCodeBytes + h * (kDeltaBytes / 2), blk + kCodeBytes + h * (kDeltaBytes / 2), kDeltaBytes / 2, full + s);
+                }
+                bulk(st + kCodeBytes + kDeltaBytes, a_src, kABytes, full + s);
+                // the kernel's producer runs ~100 dependent instructions a stage on its hot path
+                // (docs/PERF.md, session 20): as many dependent IMADs, on the same scheduler as
+                // two math warps
+                // (kProducerWork < 0: as many in four independent chains, issue slots without the latency)
+                uint32_t x = static_cast<uint32_t>(it), y = x + 1, z = x + 2, w = x + 3;
+                #pragma unroll
+                for (int i = 0; i < kProducerWork; ++i) asm volatile("mad.lo.u32 %0, %0, 3, 1;" : "+r"(x));
+                #pragma unroll
+                for (int i = 0; i < -kProducerWork / 4; ++i) {
+                    asm volatile("mad.lo.u32 %0, %0, 3, 1;" : "+r"(x));
+                    asm volatile("mad.lo.u32 %0, %0, 3, 1;" : "+r"(y));
+                    asm volatile("mad.lo.u32 %0, %0, 3, 1;" : "+r"(z));
+                    asm volatile("mad.lo.u32 %0, %0, 3, 1;" : "+r"(w));
+                }
+                if ((x ^ y ^ z ^ w) == 0x12345678u) sink[0] = 1.0f;
             }
+        }
+        // kBusyWarp: warp 1 (the dispatch warps' place) runs dependent IMADs until the math is done,
+        // a busy role on the scheduler of two math warps that the ring does not wait for
+        if (kBusyWarp and threadIdx.x == 32) {
+            uint32_t x = 1;
+            while (*reinterpret_cast<volatile int*>(table + kTableBytes + 2 * kStages * 8) == 0) {
+                #pragma unroll
+                for (int i = 0; i < 64; ++i) asm volatile("mad.lo.u32 %0, %0, 3, 1;" : "+r"(x));
+            }
+            if (x == 0x12345678u) sink[1] = 1.0f;
         }
         return;
     }
@@ -129,11 +198,15 @@ __global__ void __launch_bounds__(128 * (W + 1), 1) probe(int num_kb, unsigned l
         for (int k = 0; k < 4; ++k)
             #pragma unroll
             for (int j = 0; j < 4; ++j) frag[t][k][j] = 0x38383838u;
+    if (kMode == 4 and wg == 1) { const long long t = clock64(); while (clock64() - t < 430) {} }
+    float tok_w[2] = {1.0f, 1.0f};
     for (int kb = 0; kb < num_kb; ++kb) {
-        const int s = kb % kStages;
+        int kbv = kb;
+        if constexpr ((kExtras & 2) != 0) asm volatile("mov.b32 %0, %0;" : "+r"(kbv));
+        const int s = kbv % kStages;
         mb_wait(full + s, (kb / kStages) & 1);
         const uint32_t base = sa(stages + s * kStageBytes);
-        const uint64_t desc_a = sw128_desc(base + kCodeBytes + kDeltaBytes);
+        const uint64_t desc_tok = sw128_desc(base + kCodeBytes + kDeltaBytes);   // the wgmma's B: 8 tokens
         Rows r[T];
         #pragma unroll
         for (int t = 0; t < T; ++t) {
@@ -159,27 +232,63 @@ __global__ void __launch_bounds__(128 * (W + 1), 1) probe(int num_kb, unsigned l
                         frag[t][ks][h] = e.x, frag[t][ks][2 + h] = e.y;
                     }
             }
-            if constexpr (kMode != 1) {
+            if constexpr (kMode == 3) {
+                const uint32_t tile = sa(e4m3 + (wg * T + t) * 8192);
+                #pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int row = warp * 16 + lane / 4 + 8 * h, c = 2 * (lane % 4);
+                    sts128(tile + row * 128 + ((c ^ (row % 8)) * 16), frag[t][0][h], frag[t][1][h], frag[t][2][h], frag[t][3][h]);
+                    sts128(tile + row * 128 + (((c + 1) ^ (row % 8)) * 16), frag[t][0][2 + h], frag[t][1][2 + h], frag[t][2][2 + h], frag[t][3][2 + h]);
+                }
+                asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+                named_sync(2 + wg, 128);
+                wg_fence();
+                const uint64_t desc_w = sw128_desc(tile);
+                #pragma unroll
+                for (int ks = 0; ks < 4; ++ks) wgmma_n8_ss(desc_w + ks * 2, desc_tok + ks * 2, part[t], ks > 0);
+            } else if constexpr (kMode != 1) {
                 wg_fence();
                 #pragma unroll
-                for (int ks = 0; ks < 4; ++ks) wgmma_n8(frag[t][ks], desc_a + ks * 2, part[t], ks > 0);
+                for (int ks = 0; ks < 4; ++ks) wgmma_n8(frag[t][ks], desc_tok + ks * 2, part[t], ks > 0);
             } else {
                 #pragma unroll
                 for (int i = 0; i < 4; ++i) part[t][i] = __uint_as_float(frag[t][i][0] ^ frag[t][i][3]) * 1e-30f;
             }
         }
         wg_commit();
+        if constexpr ((kExtras & 8) != 0) {
+            if (kb == 0) tok_w[0] = __ldcg(sink + 64 + lane), tok_w[1] = __ldcg(sink + 96 + lane);
+        }
+        float sc[T][2];
+        #pragma unroll
+        for (int t = 0; t < T; ++t) sc[t][0] = sc[t][1] = 0.5f;
+        if constexpr ((kExtras & 1) != 0) {
+            const uint32_t sf = base + kCodeBytes + kDeltaBytes;   // any floats of the stage: timing only
+            const float sa0 = __uint_as_float(lds32(sf + (lane % 4) * 8)), sa1 = __uint_as_float(lds32(sf + (lane % 4) * 8 + 4));
+            #pragma unroll
+            for (int t = 0; t < T; ++t) {
+                const float sw = __uint_as_float(lds32(sf + 512 + t * 4));
+                sc[t][0] = sa0 * sw, sc[t][1] = sa1 * sw;
+            }
+        }
         wg_wait0();
         #pragma unroll
         for (int t = 0; t < T; ++t) keep(part[t]), keep(frag[t]);
         if (lane == 0) mb_arrive(empty + s);
+        if constexpr ((kExtras & 4) != 0) {
+            if (trace != nullptr and tid == 0 and kb < 16) trace[kb] = now_ns();
+        }
         #pragma unroll
         for (int t = 0; t < T; ++t)
             #pragma unroll
-            for (int i = 0; i < 4; ++i) acc[t][i] += part[t][i] * 0.5f;
+            for (int i = 0; i < 4; ++i) acc[t][i] += part[t][i] * sc[t][i & 1];
     }
+    acc[0][0] += tok_w[0] + tok_w[1];
     named_sync(1, 128 * W);
-    if (tid == 0 and wg == 0) out_ns[blockIdx.x] = now_ns() - t0;
+    if (tid == 0 and wg == 0) {
+        out_ns[blockIdx.x] = now_ns() - t0, out_ns[gridDim.x + blockIdx.x] = clock64() - c0;
+        *reinterpret_cast<volatile int*>(table + kTableBytes + 2 * kStages * 8) = 1;
+    }
     float v = 0.0f;
     #pragma unroll
     for (int t = 0; t < T; ++t)
@@ -188,23 +297,33 @@ __global__ void __launch_bounds__(128 * (W + 1), 1) probe(int num_kb, unsigned l
     if (v == 1234.5f) sink[threadIdx.x] = v;   // keeps the math live
 }
 
-template <int W, int kMode>
-void run(int sms, int num_kb, unsigned long long* d_ns, float* d_sink) {
+template <int W, int kMode, int kProducerWork = 0, bool kBusyWarp = false, int kExtras = 0>
+void run(int sms, int num_kb, const uint8_t* src, unsigned long long* d_ns, float* d_sink) {
     const int smem = 200 * 1024;   // one CTA per SM
-    cudaFuncSetAttribute(probe<W, kMode>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    probe<W, kMode><<<sms, 128 * (W + 1), smem>>>(num_kb, d_ns, d_sink);   // warm-up
+    cudaFuncSetAttribute(probe<W, kMode, kProducerWork, kBusyWarp, kExtras>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    probe<W, kMode, kProducerWork, kBusyWarp, kExtras><<<sms, 128 * (W + 1), smem>>>(num_kb, src, d_ns, d_sink, nullptr);   // warm-up
     cudaDeviceSynchronize();
-    probe<W, kMode><<<sms, 128 * (W + 1), smem>>>(num_kb, d_ns, d_sink);
+    probe<W, kMode, kProducerWork, kBusyWarp, kExtras><<<sms, 128 * (W + 1), smem>>>(num_kb, src, d_ns, d_sink, nullptr);
     if (cudaError_t e = cudaDeviceSynchronize(); e != cudaSuccess) {
         std::printf("W=%d mode=%d: %s\n", W, kMode, cudaGetErrorString(e));
         std::exit(1);
     }
-    std::vector<unsigned long long> ns(sms);
-    cudaMemcpy(ns.data(), d_ns, sms * sizeof(unsigned long long), cudaMemcpyDeviceToHost);
+    std::vector<unsigned long long> ns(2 * sms);
+    cudaMemcpy(ns.data(), d_ns, 2 * sms * sizeof(unsigned long long), cudaMemcpyDeviceToHost);
+    std::vector<unsigned long long> cyc(ns.begin() + sms, ns.end());
+    ns.resize(sms);
     std::sort(ns.begin(), ns.end());
-    const char* modes[] = {"expand + wgmma", "expand only", "wgmma only"};
-    std::printf("W = %d math warpgroups (%d M tile%s each), %-14s: %6.1f ns per K-block (median CTA; min %.1f, max %.1f)\n",
-                W, 4 / W, W == 4 ? "" : "s", modes[kMode], ns[sms / 2] / double(num_kb), ns[0] / double(num_kb), ns[sms - 1] / double(num_kb));
+    std::sort(cyc.begin(), cyc.end());
+    const char* modes[] = {"expand + wgmma", "expand only", "wgmma only", "SS via smem", "WG 1 offset"};
+    const double t = ns[sms / 2] / double(num_kb), c = cyc[sms / 2] / double(num_kb);
+    std::printf("%3d CTAs, %s W = %d math warpgroups (%d M tile%s each), %-14s: %6.1f ns per K-block (median CTA; min %.1f, max %.1f), %5.0f cycles (%.2f GHz)",
+                sms, src ? "streamed" : "in smem ", W, 4 / W, W == 4 ? "" : "s", modes[kMode], t, ns[0] / double(num_kb), ns[sms - 1] / double(num_kb), c, c / t);
+    if (kProducerWork > 0) std::printf(", producer +%d dependent IMADs a stage", kProducerWork);
+    if (kProducerWork < 0) std::printf(", producer +%d IMADs a stage in 4 chains", -kProducerWork);
+    if (kBusyWarp) std::printf(", a busy warp on scheduler 1");
+    if (kExtras) std::printf(", extras %d", kExtras);
+    if (src) std::printf(", %.0f GB/s", double(sms) * num_kb * (kCodeBytes + kDeltaBytes) / (ns[sms / 2] * 1e-9) / 1e9);
+    std::printf("\n");
 }
 
 int main() {
@@ -213,15 +332,48 @@ int main() {
     const int num_kb = 20000;
     unsigned long long* d_ns;
     float* d_sink;
-    cudaMalloc(&d_ns, sms * sizeof(unsigned long long));
+    cudaMalloc(&d_ns, 2 * sms * sizeof(unsigned long long));
     cudaMalloc(&d_sink, 1024 * sizeof(float));
-    std::printf("%d CTAs (one per SM), %d K-blocks each\n", sms, num_kb);
-    run<2, 0>(sms, num_kb, d_ns, d_sink);
-    run<4, 0>(sms, num_kb, d_ns, d_sink);
-    run<1, 0>(sms, num_kb, d_ns, d_sink);
-    run<2, 1>(sms, num_kb, d_ns, d_sink);
-    run<4, 1>(sms, num_kb, d_ns, d_sink);
-    run<2, 2>(sms, num_kb, d_ns, d_sink);
-    run<4, 2>(sms, num_kb, d_ns, d_sink);
+    // Streamed runs: every CTA its own slice of ~2 GB, kb_stream K-blocks each
+    const int kb_stream = static_cast<int>((size_t(2) << 30) / (size_t(sms) * (kCodeBytes + kDeltaBytes)));
+    uint8_t* src = nullptr;
+    const size_t src_bytes = size_t(sms) * kb_stream * (kCodeBytes + kDeltaBytes) + kABytes;
+    if (cudaMalloc(&src, src_bytes) != cudaSuccess) { std::printf("cudaMalloc failed\n"); return 1; }
+    cudaMemset(src, 0x13, src_bytes);
+    std::printf("%d CTAs (one per SM), %d K-blocks each in shared memory, %d streamed\n", sms, num_kb, kb_stream);
+    run<2, 0>(sms, num_kb, nullptr, d_ns, d_sink);
+    run<4, 0>(sms, num_kb, nullptr, d_ns, d_sink);
+    run<1, 0>(sms, num_kb, nullptr, d_ns, d_sink);
+    run<2, 1>(sms, num_kb, nullptr, d_ns, d_sink);
+    run<4, 1>(sms, num_kb, nullptr, d_ns, d_sink);
+    run<2, 2>(sms, num_kb, nullptr, d_ns, d_sink);
+    run<4, 2>(sms, num_kb, nullptr, d_ns, d_sink);
+    run<2, 3>(sms, num_kb, nullptr, d_ns, d_sink);
+    run<4, 3>(sms, num_kb, nullptr, d_ns, d_sink);
+    run<2, 4>(sms, num_kb, nullptr, d_ns, d_sink);
+    run<2, 0>(sms, kb_stream, src, d_ns, d_sink);
+    run<4, 0>(sms, kb_stream, src, d_ns, d_sink);
+    run<2, 1>(sms, kb_stream, src, d_ns, d_sink);
+    run<2, 2>(sms, kb_stream, src, d_ns, d_sink);
+    run<2, 3>(sms, kb_stream, src, d_ns, d_sink);
+    run<2, 4>(sms, kb_stream, src, d_ns, d_sink);
+    run<2, 0>(96, kb_stream, src, d_ns, d_sink);   // v4-flash at one token: 96 CTAs with a task
+    run<2, 0, 100>(sms, kb_stream, src, d_ns, d_sink);
+    run<2, 0, 200>(sms, kb_stream, src, d_ns, d_sink);
+    run<2, 0, 400>(sms, kb_stream, src, d_ns, d_sink);
+    run<2, 0, 100>(96, kb_stream, src, d_ns, d_sink);
+    run<2, 0, 200>(96, kb_stream, src, d_ns, d_sink);
+    run<2, 0, 50>(sms, kb_stream, src, d_ns, d_sink);
+    run<2, 0, -100>(sms, kb_stream, src, d_ns, d_sink);
+    run<2, 0, -200>(sms, kb_stream, src, d_ns, d_sink);
+    run<2, 0, 0, true>(sms, kb_stream, src, d_ns, d_sink);
+    run<2, 0, 0, true>(sms, num_kb, nullptr, d_ns, d_sink);
+    run<2, 0, 0, false, 1>(sms, num_kb, nullptr, d_ns, d_sink);
+    run<2, 0, 0, false, 2>(sms, num_kb, nullptr, d_ns, d_sink);
+    run<2, 0, 0, false, 4>(sms, num_kb, nullptr, d_ns, d_sink);
+    run<2, 0, 0, false, 8>(sms, num_kb, nullptr, d_ns, d_sink);
+    run<2, 0, 0, false, 15>(sms, num_kb, nullptr, d_ns, d_sink);
+    run<2, 0, 0, false, 15>(sms, kb_stream, src, d_ns, d_sink);
+    run<2, 0, 0, false, 15>(96, kb_stream, src, d_ns, d_sink);
     return 0;
 }
