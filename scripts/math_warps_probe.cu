@@ -70,6 +70,12 @@ __device__ __forceinline__ uint32_t word_of(const uint4& v, int i) { return i ==
 __device__ __forceinline__ uint64_t now_ns() { uint64_t t; asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t)); return t; }
 __device__ __forceinline__ void named_sync(int id, int n) { asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(n) : "memory"); }
 
+// wgmma needs the arch-specific target (compute_90a): a pass for plain compute_90 (what a bare
+// `nvcc -arch=sm_90a` also runs, as tests/test_scripts_cpu.py does) gets traps instead
+#if defined(__CUDA_ARCH__) and not defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define PROBE_NO_WGMMA 1
+#endif
+
 // K-major 128B-swizzled shared-memory descriptor (PTX ISA "Matrix Descriptor Format"): stride 1024
 // between 8-row groups, swizzle mode 1 (128 B)
 __device__ __forceinline__ uint64_t sw128_desc(uint32_t smem) {
@@ -77,23 +83,37 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t smem) {
 }
 // D (64 x 8, FP32) += A (64 x 32 E4M3, registers) x B (8 x 32 E4M3, K-major in shared memory)
 __device__ __forceinline__ void wgmma_n8(const uint32_t (&a)[4], uint64_t b, float (&d)[4], int scale_d) {
+#ifdef PROBE_NO_WGMMA
+    __trap();
+#else
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1;\n}\n"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));
+#endif
 }
 // The same with A (64 x 32 E4M3) K-major in shared memory
 __device__ __forceinline__ void wgmma_n8_ss(uint64_t a, uint64_t b, float (&d)[4], int scale_d) {
+#ifdef PROBE_NO_WGMMA
+    __trap();
+#else
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, %4, %5, p, 1, 1;\n}\n"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "l"(a), "l"(b), "r"(scale_d));
+#endif
 }
 __device__ __forceinline__ void sts128(uint32_t a, uint32_t x, uint32_t y, uint32_t z, uint32_t w) {
     asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" :: "r"(a), "r"(x), "r"(y), "r"(z), "r"(w) : "memory");
 }
+#ifdef PROBE_NO_WGMMA
+__device__ __forceinline__ void wg_fence() {}
+__device__ __forceinline__ void wg_commit() {}
+__device__ __forceinline__ void wg_wait0() {}
+#else
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+#endif
 template <int N>
 __device__ __forceinline__ void keep(float (&d)[N]) {
     #pragma unroll
