@@ -1947,8 +1947,9 @@ struct Kernel {
                                        float (&tok_w)[2]) {
         const NarrowThread nt(mt);
         const uint32_t gate_offset = mt.wg * 64 * 128, up_offset = gate_offset + 128 * 128;
-        // Read in the first K-block (after its stage wait); the address outside the loop, so that
-        // the K-blocks after it pay only the two predicated loads
+        // Read after the loop (ordered after the pull's writes by the first stage wait): two
+        // predicated loads inside it cost every K-block, not only the first (FP8 x FP4 decode
+        // -1.3 to -1.9 % at v4-flash n = 8 / 128; a model of the loop: +11 %; docs/PERF.md, session 24)
         const float* tok_w_src = narrow_token_weights(m, nt);
         [[maybe_unused]] const uint32_t table = kFP4 ? opaque_u32(smem_addr(sm.fp4_table)) : 0u;   // once per task
         const auto read_token_weights = [&] { tok_w[0] = __ldcg(tok_w_src), tok_w[1] = __ldcg(tok_w_src + 1); };
@@ -1978,7 +1979,6 @@ struct Kernel {
                     mma::FP8MmaN8::fma_k_block(du, dt, part_u, false);
                 }
                 mma::warpgroup_commit();
-                if (kb == 0) read_token_weights();
                 mma::warpgroup_wait<0>();
                 mma::fence_operands(part_g), mma::fence_operands(part_u);
                 if constexpr (kFP4) mma::fence_fragments(ag), mma::fence_fragments(au);
@@ -1994,12 +1994,12 @@ struct Kernel {
                 mma::BF16MmaN8::fma_k_block(dg, dt, gate, kb > 0);
                 mma::BF16MmaN8::fma_k_block(du, dt, up, kb > 0);
                 mma::warpgroup_commit();
-                if (kb == 0) read_token_weights();
                 mma::warpgroup_wait<0>();
                 mma::fence_operands(gate), mma::fence_operands(up);
                 release_stage(stage_iter, mt); trace_l1_release(kb, mt);
             }
         }
+        read_token_weights();
         return true;
     }
 
