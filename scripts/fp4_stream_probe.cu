@@ -23,11 +23,6 @@ constexpr int kDeltaBytes = 512;     // its deltas
 constexpr int kABytes = 1024;        // 8 token rows x 128 bytes
 constexpr int kStageBytes = 2 * kCodeBytes + 2 * kDeltaBytes + kABytes;
 
-__device__ __forceinline__ void bulk(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-                 :: "r"(sa(dst)), "l"(reinterpret_cast<uint64_t>(src)), "r"(bytes), "r"(sa(bar)) : "memory");
-}
-
 // codes: [G][2 streams][kb_per_cta][8 KB]; deltas: [G][2][kb_per_cta][512]; a: 8 x 1 KB (shared by all)
 __global__ void __launch_bounds__(64) stream(const uint8_t* codes, const uint8_t* deltas, const uint8_t* a, int stages,
                                              int kb_per_cta, int hold) {
@@ -48,10 +43,10 @@ __global__ void __launch_bounds__(64) stream(const uint8_t* codes, const uint8_t
             uint8_t* st = smem + s * kStageBytes;
             for (int h = 0; h < 2; ++h) {
                 const size_t blk = (cta * 2 + h) * kb_per_cta + it;
-                bulk(st + h * kCodeBytes, codes + blk * kCodeBytes, kCodeBytes, full + s);
-                bulk(st + 2 * kCodeBytes + h * kDeltaBytes, deltas + blk * kDeltaBytes, kDeltaBytes, full + s);
+                bulk_g2s(sa(st) + h * kCodeBytes, codes + blk * kCodeBytes, kCodeBytes, full + s);
+                bulk_g2s(sa(st) + 2 * kCodeBytes + h * kDeltaBytes, deltas + blk * kDeltaBytes, kDeltaBytes, full + s);
             }
-            bulk(st + 2 * kCodeBytes + 2 * kDeltaBytes, a + (cta % 8) * kABytes, kABytes, full + s);
+            bulk_g2s(sa(st) + 2 * kCodeBytes + 2 * kDeltaBytes, a + (cta % 8) * kABytes, kABytes, full + s);
         }
     } else if (threadIdx.x >= 32) {
         for (int it = 0; it < kb_per_cta; ++it) {

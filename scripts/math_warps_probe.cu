@@ -67,7 +67,6 @@ __device__ __forceinline__ uint32_t lds32(uint32_t a) {
     return v;
 }
 __device__ __forceinline__ uint32_t word_of(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
-__device__ __forceinline__ uint64_t now_ns() { uint64_t t; asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t)); return t; }
 __device__ __forceinline__ void named_sync(int id, int n) { asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(n) : "memory"); }
 
 // wgmma needs the arch-specific target (compute_90a): a pass for plain compute_90 (what a bare
@@ -133,11 +132,6 @@ __device__ __forceinline__ uint2 expand8(uint32_t codes, uint2 mag) {
 }
 struct Rows { uint4 codes[2]; uint32_t offsets[2]; };
 
-__device__ __forceinline__ void bulk(uint32_t dst, const void* src, uint32_t bytes, uint64_t* bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-                 :: "r"(dst), "l"(reinterpret_cast<uint64_t>(src)), "r"(bytes), "r"(sa(bar)) : "memory");
-}
-
 // src: null, or [CTA][K-block][16 KB codes | 1 KB deltas] and 1 KB of A at its end (shared)
 template <int W, int kMode, int kProducerWork = 0, bool kBusyWarp = false, int kExtras = 0>
 __global__ void __launch_bounds__(128 * (W + 1), 1) probe(int num_kb, const uint8_t* src, unsigned long long* out_ns, float* sink,
@@ -149,12 +143,13 @@ __global__ void __launch_bounds__(128 * (W + 1), 1) probe(int num_kb, const uint
     uint8_t* table = e4m3 + 4 * 8192;
     auto* full = reinterpret_cast<uint64_t*>(table + kTableBytes);
     auto* empty = full + kStages;
+    volatile int* math_done = reinterpret_cast<volatile int*>(empty + kStages);   // kBusyWarp's stop flag
     // Contents: codes and A of small E4M3 values, deltas 0..15, magnitudes as the kernel's table
     for (int i = threadIdx.x; i < kStages * kStageBytes / 4; i += blockDim.x)
         reinterpret_cast<uint32_t*>(stages)[i] = (i * 2654435761u) & 0x0f3f0f3fu;
     for (int i = threadIdx.x; i < kTableBytes; i += blockDim.x) table[i] = static_cast<uint8_t>((i * 7) & 0x3f);
     if (threadIdx.x == 0) {
-        *reinterpret_cast<volatile int*>(table + kTableBytes + 2 * kStages * 8) = 0;   // math done (kBusyWarp)
+        *math_done = 0;
         for (int s = 0; s < kStages; ++s) mb_init(full + s, 1), mb_init(empty + s, 4 * W);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
@@ -175,10 +170,10 @@ __global__ void __launch_bounds__(128 * (W + 1), 1) probe(int num_kb, const uint
                 const uint32_t st = sa(stages + s * kStageBytes);
                 const uint8_t* blk = src + (size_t(blockIdx.x) * num_kb + it) * (kCodeBytes + kDeltaBytes);
                 for (int h = 0; h < 2; ++h) {
-                    bulk(st + h * (kCodeBytes / 2), blk + h * (kCodeBytes / 2), kCodeBytes / 2, full + s);
-                    bulk(st + kCodeBytes + h * (kDeltaBytes / 2), blk + kCodeBytes + h * (kDeltaBytes / 2), kDeltaBytes / 2, full + s);
+                    bulk_g2s(st + h * (kCodeBytes / 2), blk + h * (kCodeBytes / 2), kCodeBytes / 2, full + s);
+                    bulk_g2s(st + kCodeBytes + h * (kDeltaBytes / 2), blk + kCodeBytes + h * (kDeltaBytes / 2), kDeltaBytes / 2, full + s);
                 }
-                bulk(st + kCodeBytes + kDeltaBytes, a_src, kABytes, full + s);
+                bulk_g2s(st + kCodeBytes + kDeltaBytes, a_src, kABytes, full + s);
                 // the kernel's producer runs ~100 dependent instructions a stage on its hot path
                 // (docs/PERF.md, session 20): as many dependent IMADs, on the same scheduler as
                 // two math warps
@@ -200,7 +195,7 @@ __global__ void __launch_bounds__(128 * (W + 1), 1) probe(int num_kb, const uint
         // a busy role on the scheduler of two math warps that the ring does not wait for
         if (kBusyWarp and threadIdx.x == 32) {
             uint32_t x = 1;
-            while (*reinterpret_cast<volatile int*>(table + kTableBytes + 2 * kStages * 8) == 0) {
+            while (*math_done == 0) {
                 #pragma unroll
                 for (int i = 0; i < 64; ++i) asm volatile("mad.lo.u32 %0, %0, 3, 1;" : "+r"(x));
             }
@@ -307,7 +302,7 @@ __global__ void __launch_bounds__(128 * (W + 1), 1) probe(int num_kb, const uint
     named_sync(1, 128 * W);
     if (tid == 0 and wg == 0) {
         out_ns[blockIdx.x] = now_ns() - t0, out_ns[gridDim.x + blockIdx.x] = clock64() - c0;
-        *reinterpret_cast<volatile int*>(table + kTableBytes + 2 * kStages * 8) = 1;
+        *math_done = 1;
     }
     float v = 0.0f;
     #pragma unroll

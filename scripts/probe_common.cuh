@@ -1,5 +1,5 @@
-// Helpers shared by the standalone stream probes (tma_stream_probe.cu, fp4_stream_probe.cu), which
-// build with a bare `nvcc -arch=sm_90a` and so do not include the package's headers: mbarriers, and
+// Helpers shared by the standalone probes (tma_stream_probe.cu, fp4_stream_probe.cu, math_warps_probe.cu), which
+// build with a bare `nvcc -arch=sm_90a` and so do not include the package's headers: mbarriers, bulk copies, the clock, and
 // the best of three timed launches.
 #pragma once
 #include <cstdint>
@@ -11,6 +11,12 @@ __device__ __forceinline__ void mb_arrive(uint64_t* b) { asm volatile("{\n .reg 
 __device__ __forceinline__ void mb_arrive_tx(uint64_t* b, uint32_t bytes) {
     asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" :: "r"(sa(b)), "r"(bytes) : "memory");
 }
+// A 1-D bulk copy global -> shared memory that completes its bytes on mbarrier `bar`
+__device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes, uint64_t* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                 :: "r"(dst), "l"(reinterpret_cast<uint64_t>(src)), "r"(bytes), "r"(sa(bar)) : "memory");
+}
+__device__ __forceinline__ uint64_t now_ns() { uint64_t t; asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t)); return t; }
 __device__ __forceinline__ void mb_wait(uint64_t* b, uint32_t parity) {
     uint32_t done = 0;
     while (!done)

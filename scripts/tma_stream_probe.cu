@@ -29,7 +29,6 @@ __device__ __forceinline__ void tma_2d(void* dst, const CUtensorMap* map, uint64
     asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n"
                  :: "r"(sa(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(sa(bar)), "r"(x), "r"(y) : "memory");
 }
-__device__ __forceinline__ uint64_t now_ns() { uint64_t t; asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t)); return t; }
 
 __global__ void __launch_bounds__(64) stream(const __grid_constant__ CUtensorMap tm_row, const __grid_constant__ CUtensorMap tm_blk,
                                              const __grid_constant__ CUtensorMap tm_a, int layout, int stages, int slabs, int hold_ns, int use_a) {
