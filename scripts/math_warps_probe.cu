@@ -13,7 +13,11 @@
 // E4M3 tile in shared memory (4 x 16-byte stores per tile, 128B-swizzled rows; the bytes' K order
 // is not the wgmma's, which timing does not see), proxy fence and warpgroup barrier, then SS wgmmas
 // (A from shared memory instead of registers), 4 as 0 with warpgroup 1 started half a K-block
-// (430 cycles) late, so the two warpgroups' expansions and wgmmas alternate. Streamed runs: the producer
+// (430 cycles) late, so the two warpgroups' expansions and wgmmas alternate, 5 pipelined across
+// K-blocks (two fragment / partial-sum sets: K-block kb's wgmmas stay in flight while kb + 1 is
+// waited for, loaded and expanded, then kb is waited for with wait_group 1, released and promoted;
+// four K-blocks per loop iteration, drained at its end, because a loop back-edge with RS wgmmas in
+// flight makes ptxas serialize them all, C7518). Streamed runs: the producer
 // fills each stage from HBM as the kernel's does (two 8 KB code blocks, two 512-byte delta blocks,
 // the 1 KB A tile, by bulk copies; every CTA its own slice of a 2 GB region, never L2-resident),
 // so the math meets the memory side of fp4_stream_probe.cu. Extras (a bit mask, what the kernel's
@@ -25,13 +29,15 @@
 // K-block (clock64) and the clock they imply.
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/math_probe scripts/math_warps_probe.cu
 //   /tmp/math_probe        (one CTA per SM on every SM; prints ns per K-block per CTA for W = 1, 2, 4)
-// Result (H200, session 24): docs/PERF.md, "2026-12-02 (session 24)".
+//   /tmp/math_probe pipelined   (mode 5 against mode 0 only, twice)
+// Results (H200): docs/PERF.md, "2026-12-02 (session 24)" and "(session 25)" (mode 5).
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "probe_common.cuh"
@@ -108,11 +114,24 @@ __device__ __forceinline__ void sts128(uint32_t a, uint32_t x, uint32_t y, uint3
 __device__ __forceinline__ void wg_fence() {}
 __device__ __forceinline__ void wg_commit() {}
 __device__ __forceinline__ void wg_wait0() {}
+__device__ __forceinline__ void wg_wait1() {}
 #else
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+__device__ __forceinline__ void wg_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }
 #endif
+// Mode 5's stage wait and release with wgmmas in flight: the spin inside one asm block and the
+// one-lane arrive predicated in it, so the compiler sees no divergent path (a C++ spin loop or an
+// `if (lane == 0)` there makes ptxas serialize every wgmma, C7518)
+__device__ __forceinline__ void mb_wait_asm(uint64_t* b, uint32_t parity) {
+    asm volatile("{\n .reg .pred p;\n WAIT_%=:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra WAIT_%=;\n}\n"
+                 :: "r"(sa(b)), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void mb_arrive_lane0(uint64_t* b, int lane) {
+    asm volatile("{\n .reg .pred p;\n .reg .b64 st;\n setp.eq.s32 p, %1, 0;\n @p mbarrier.arrive.shared::cta.b64 st, [%0];\n}\n"
+                 :: "r"(sa(b)), "r"(lane) : "memory");
+}
 template <int N>
 __device__ __forceinline__ void keep(float (&d)[N]) {
     #pragma unroll
@@ -215,7 +234,76 @@ __global__ void __launch_bounds__(128 * (W + 1), 1) probe(int num_kb, const uint
             for (int j = 0; j < 4; ++j) frag[t][k][j] = 0x38383838u;
     if (kMode == 4 and wg == 1) { const long long t = clock64(); while (clock64() - t < 430) {} }
     float tok_w[2] = {1.0f, 1.0f};
-    for (int kb = 0; kb < num_kb; ++kb) {
+    if constexpr (kMode == 5) {
+        // Pipelined across K-blocks: K-block kb's wgmmas (into one of two partial-sum and
+        // fragment sets) stay in flight while kb + 1 is waited for, loaded and expanded; kb is
+        // then waited for (wait_group 1), released and promoted. Each stage is held one K-block
+        // longer (its release follows the next stage's wait).
+        float part_a[T][4], part_b[T][4];
+        uint32_t frag_b[T][4][4];
+        #pragma unroll
+        for (int t = 0; t < T; ++t)
+            #pragma unroll
+            for (int k = 0; k < 4; ++k)
+                #pragma unroll
+                for (int j = 0; j < 4; ++j) frag_b[t][k][j] = 0x38383838u;
+        const auto issue = [&](int kb, float (&part)[T][4], uint32_t (&fr)[T][4][4]) {
+            const int s = kb % kStages;
+            mb_wait_asm(full + s, (kb / kStages) & 1);
+            const uint32_t base = sa(stages + s * kStageBytes);
+            const uint64_t desc_tok = sw128_desc(base + kCodeBytes + kDeltaBytes);
+            Rows r[T];
+            #pragma unroll
+            for (int t = 0; t < T; ++t) {
+                const int q = W == 2 ? (t == 0 ? wg : 2 + wg) : W == 4 ? wg : t;
+                const int row0 = (q / 2) * 128 + (q % 2) * 64, row = row0 + warp * 16 + lane / 4;
+                #pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    r[t].codes[h] = lds128(base + (row + 8 * h) * kRowBytes + (lane % 4) * 16);
+                    r[t].offsets[h] = ((lds32(base + kCodeBytes + (row + 8 * h) * 4) << 3) & 0x78787878u) | hi;
+                }
+            }
+            #pragma unroll
+            for (int t = 0; t < T; ++t) {
+                keep(part[t]);
+                #pragma unroll
+                for (int ks = 0; ks < 4; ++ks)
+                    #pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const uint2 e = expand8(word_of(r[t].codes[h], ks), lds64(prmt(r[t].offsets[h], tab, 0x7650u + ks)));
+                        fr[t][ks][h] = e.x, fr[t][ks][2 + h] = e.y;
+                    }
+                wg_fence();
+                #pragma unroll
+                for (int ks = 0; ks < 4; ++ks) wgmma_n8(fr[t][ks], desc_tok + ks * 2, part[t], ks > 0);
+            }
+            wg_commit();
+        };
+        const auto retire = [&](int kb, float (&part)[T][4], uint32_t (&fr)[T][4][4], bool last) {
+            if (last) wg_wait0(); else wg_wait1();
+            #pragma unroll
+            for (int t = 0; t < T; ++t) keep(part[t]), keep(fr[t]);
+            mb_arrive_lane0(empty + kb % kStages, lane);
+            #pragma unroll
+            for (int t = 0; t < T; ++t)
+                #pragma unroll
+                for (int i = 0; i < 4; ++i) acc[t][i] += part[t][i] * 0.5f;
+        };
+        // Four K-blocks per iteration, drained at its end: a loop back-edge with RS wgmmas in flight
+        // makes ptxas serialize every wgmma of the function (C7518, whatever the waits and
+        // arrives look like), straight-line code does not. num_kb: a multiple of 4 (main)
+        for (int kb = 0; kb < num_kb; kb += 4) {
+            issue(kb, part_a, frag);
+            issue(kb + 1, part_b, frag_b);
+            retire(kb, part_a, frag, false);
+            issue(kb + 2, part_a, frag);
+            retire(kb + 1, part_b, frag_b, false);
+            issue(kb + 3, part_b, frag_b);
+            retire(kb + 2, part_a, frag, false);
+            retire(kb + 3, part_b, frag_b, true);
+        }
+    }
+    for (int kb = 0; kb < (kMode == 5 ? 0 : num_kb); ++kb) {
         int kbv = kb;
         if constexpr ((kExtras & 2) != 0) asm volatile("mov.b32 %0, %0;" : "+r"(kbv));
         const int s = kbv % kStages;
@@ -329,7 +417,7 @@ void run(int sms, int num_kb, const uint8_t* src, unsigned long long* d_ns, floa
     ns.resize(sms);
     std::sort(ns.begin(), ns.end());
     std::sort(cyc.begin(), cyc.end());
-    const char* modes[] = {"expand + wgmma", "expand only", "wgmma only", "SS via smem", "WG 1 offset"};
+    const char* modes[] = {"expand + wgmma", "expand only", "wgmma only", "SS via smem", "WG 1 offset", "pipelined"};
     const double t = ns[sms / 2] / double(num_kb), c = cyc[sms / 2] / double(num_kb);
     std::printf("%3d CTAs, %s W = %d math warpgroups (%d M tile%s each), %-14s: %6.1f ns per K-block (median CTA; min %.1f, max %.1f), %5.0f cycles (%.2f GHz)",
                 sms, src ? "streamed" : "in smem ", W, 4 / W, W == 4 ? "" : "s", modes[kMode], t, ns[0] / double(num_kb), ns[sms - 1] / double(num_kb), c, c / t);
@@ -341,7 +429,8 @@ void run(int sms, int num_kb, const uint8_t* src, unsigned long long* d_ns, floa
     std::printf("\n");
 }
 
-int main() {
+int main(int argc, char** argv) {
+    const bool pipelined_only = argc > 1 and std::string(argv[1]) == "pipelined";
     int sms = 0;
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
     const int num_kb = 20000;
@@ -356,6 +445,18 @@ int main() {
     if (cudaMalloc(&src, src_bytes) != cudaSuccess) { std::printf("cudaMalloc failed\n"); return 1; }
     cudaMemset(src, 0x13, src_bytes);
     std::printf("%d CTAs (one per SM), %d K-blocks each in shared memory, %d streamed\n", sms, num_kb, kb_stream);
+    if (pipelined_only) {   // mode 5 against mode 0, in shared memory and streamed (K-blocks: multiples of 4)
+        const int kb4 = kb_stream / 4 * 4;
+        for (int rep = 0; rep < 2; ++rep) {
+            run<2, 0>(sms, num_kb, nullptr, d_ns, d_sink);
+            run<2, 5>(sms, num_kb, nullptr, d_ns, d_sink);
+            run<2, 0>(sms, kb4, src, d_ns, d_sink);
+            run<2, 5>(sms, kb4, src, d_ns, d_sink);
+            run<2, 0>(96, kb4, src, d_ns, d_sink);
+            run<2, 5>(96, kb4, src, d_ns, d_sink);
+        }
+        return 0;
+    }
     run<2, 0>(sms, num_kb, nullptr, d_ns, d_sink);
     run<4, 0>(sms, num_kb, nullptr, d_ns, d_sink);
     run<1, 0>(sms, num_kb, nullptr, d_ns, d_sink);
