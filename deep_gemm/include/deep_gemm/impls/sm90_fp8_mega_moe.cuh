@@ -2062,11 +2062,15 @@ struct Kernel {
         for (int i = 0; i < 4; ++i) {
             const float gt = fminf(gate[i], clamp);
             const float u = fminf(fmaxf(up[i], -clamp), clamp);
-            act[i] = silu<kFastMath>(gt) * u * tok_w[i % 2];
-            amax[i % 2] = fmaxf(amax[i % 2], fabsf(act[i]));
+            act[i] = silu<kFastMath>(gt) * u;   // x the top-k weight below: (silu x u) x w
         }
         const int col = mt.wg * 64;     // this warpgroup's first column of the block
         if constexpr (kFP8) {
+            // The amax is taken before the top-k weight, a token's one factor: max |act x w| =
+            // max |act| x |w| exactly (rounding is monotonic), so the weight's load (after the
+            // K-loop) is first needed after the exchange below, not before it
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) amax[i % 2] = fmaxf(amax[i % 2], fabsf(act[i]));
             // lanes of equal lane % 4 hold the same tokens
             #pragma unroll
             for (int t = 0; t < 2; ++t)
@@ -2088,10 +2092,10 @@ struct Kernel {
             // Correctly rounded divisions, as the wide tile (bit-identical to per_token_cast_to_fp8)
             float a[2], inv[2];
             #pragma unroll
-            for (int t = 0; t < 2; ++t) a[t] = fmaxf(amax[t], 1e-10f), inv[t] = __fdiv_rn(448.0f, a[t]);
+            for (int t = 0; t < 2; ++t) a[t] = fmaxf(amax[t] * fabsf(tok_w[t]), 1e-10f), inv[t] = __fdiv_rn(448.0f, a[t]);
             #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                const __nv_fp8_storage_t q = __nv_cvt_float_to_fp8(act[i] * inv[i % 2], __NV_SATFINITE, __NV_E4M3);
+                const __nv_fp8_storage_t q = __nv_cvt_float_to_fp8((act[i] * tok_w[i % 2]) * inv[i % 2], __NV_SATFINITE, __NV_E4M3);
                 tile[nt.token(i) * kMegaMoEEpilogueRowBytes + col + nt.row(i)] = q;
             }
             if (mt.wg == 0 and mt.warp == 0 and mt.lane < 4) {
@@ -2104,7 +2108,8 @@ struct Kernel {
         } else {
             #pragma unroll
             for (int i = 0; i < 4; ++i)
-                *reinterpret_cast<__nv_bfloat16*>(tile + nt.token(i) * kMegaMoEEpilogueRowBytes + (col + nt.row(i)) * 2) = __float2bfloat16_rn(act[i]);
+                *reinterpret_cast<__nv_bfloat16*>(tile + nt.token(i) * kMegaMoEEpilogueRowBytes + (col + nt.row(i)) * 2) =
+                    __float2bfloat16_rn(act[i] * tok_w[i % 2]);
         }
         named_barrier(kBarrierMathAll, kNumMathThreads);
         // 16-byte chunks of the token rows into the L2 pool, over all math threads
@@ -2317,8 +2322,8 @@ struct Kernel {
     }
 
     // L1 epilogue (as narrow_l1_epilogue, for 64 tokens): the top-k weights read first (their
-    // latency under the SwiGLU of the 32 accumulator pairs; held across the K-loop they cost it
-    // local memory), each token's amax over the block's 128 columns exchanged as [token][math warp]
+    // latency under the SwiGLUs and the amax exchange, which does without them; held across the
+    // K-loop they cost it local memory), each token's amax over the block's 128 columns exchanged as [token][math warp]
     // in bytes 128.. of the token's staging row (its FP8 values take bytes 0..127)
     template <int kN>
     __device__ void transposed_l1_epilogue(int m, int j, int num_rows, const MathThread& mt, const float (&gate)[(kN / 2)],
@@ -2336,11 +2341,10 @@ struct Kernel {
             const float u = fminf(fmaxf(up[i], -clamp), clamp);
             act[i] = silu<kFastMath>(gt) * u;   // then x w: (silu x u) x w, the narrow tile's order
         }
+        // The amax before the top-k weight (max |act x w| = max |act| x |w| exactly, as the narrow
+        // tile): the weights' loads are first needed after the exchange, not under 8-32 SwiGLUs
         #pragma unroll
-        for (int i = 0; i < (kN / 2); ++i) {
-            act[i] *= tok_w[wide_slot(i)];
-            amax[wide_slot(i)] = fmaxf(amax[wide_slot(i)], fabsf(act[i]));
-        }
+        for (int i = 0; i < (kN / 2); ++i) amax[wide_slot(i)] = fmaxf(amax[wide_slot(i)], fabsf(act[i]));
         // lanes of equal lane % 4 hold the same tokens
         #pragma unroll
         for (int k = 0; k < (kN / 4); ++k)
@@ -2366,11 +2370,11 @@ struct Kernel {
         // Correctly rounded divisions, as the wide tile (bit-identical to per_token_cast_to_fp8)
         float a[(kN / 4)], inv[(kN / 4)];
         #pragma unroll
-        for (int k = 0; k < (kN / 4); ++k) a[k] = fmaxf(amax[k], 1e-10f), inv[k] = __fdiv_rn(448.0f, a[k]);
+        for (int k = 0; k < (kN / 4); ++k) a[k] = fmaxf(amax[k] * fabsf(tok_w[k]), 1e-10f), inv[k] = __fdiv_rn(448.0f, a[k]);
         const int col = mt.wg * 64;     // this warpgroup's first column of the block
         #pragma unroll
         for (int i = 0; i < (kN / 2); ++i) {
-            const __nv_fp8_storage_t q = __nv_cvt_float_to_fp8(act[i] * inv[wide_slot(i)], __NV_SATFINITE, __NV_E4M3);
+            const __nv_fp8_storage_t q = __nv_cvt_float_to_fp8((act[i] * tok_w[wide_slot(i)]) * inv[wide_slot(i)], __NV_SATFINITE, __NV_E4M3);
             tile[(8 * (i / 4) + nt.c0 + i % 2) * kMegaMoEEpilogueRowBytes + col + wide_row(nt, i)] = q;
         }
         if (mt.wg == 0 and mt.warp == 0 and mt.lane < 4) {
