@@ -86,7 +86,8 @@ __device__ __forceinline__ void mbarrier_expect_tx(uint64_t* bar, uint32_t bytes
     asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" :: "r"(smem_addr(bar)), "r"(bytes) : "memory");
 }
 
-// One non-blocking probe: true once the phase with this parity has completed
+// One probe: true once the phase with this parity has completed. try_wait may hold the thread
+// for a system-dependent while before it answers false (mbarrier_test_wait answers at once)
 __device__ __forceinline__ bool mbarrier_try_wait(uint64_t* bar, uint32_t parity) {
     uint32_t done = 0;
     asm volatile(
