@@ -151,6 +151,32 @@ __device__ __forceinline__ uint2 expand8(uint32_t codes, uint2 mag) {
 }
 struct Rows { uint4 codes[2]; uint32_t offsets[2]; };
 
+// A thread's code chunks and table offsets of its T M tiles of the stage at `base` (tile q of the
+// four: W = 2 -> gate wg, up wg, the kernel's rows 64 wg and 128 + 64 wg)
+template <int W, int T>
+__device__ __forceinline__ void load_rows(uint32_t base, int wg, int warp, int lane, uint32_t hi, Rows (&r)[T]) {
+    #pragma unroll
+    for (int t = 0; t < T; ++t) {
+        const int q = W == 2 ? (t == 0 ? wg : 2 + wg) : W == 4 ? wg : t;
+        const int row0 = (q / 2) * 128 + (q % 2) * 64, row = row0 + warp * 16 + lane / 4;
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            r[t].codes[h] = lds128(base + (row + 8 * h) * kRowBytes + (lane % 4) * 16);
+            r[t].offsets[h] = ((lds32(base + kCodeBytes + (row + 8 * h) * 4) << 3) & 0x78787878u) | hi;
+        }
+    }
+}
+// One M tile's wgmma A fragments from its rows (the kernel's narrow_fp4_expand)
+__device__ __forceinline__ void expand_rows(const Rows& r, uint32_t (&fr)[4][4], uint32_t tab) {
+    #pragma unroll
+    for (int ks = 0; ks < 4; ++ks)
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const uint2 e = expand8(word_of(r.codes[h], ks), lds64(prmt(r.offsets[h], tab, 0x7650u + ks)));
+            fr[ks][h] = e.x, fr[ks][2 + h] = e.y;
+        }
+}
+
 // src: null, or [CTA][K-block][16 KB codes | 1 KB deltas] and 1 KB of A at its end (shared)
 template <int W, int kMode, int kProducerWork = 0, bool kBusyWarp = false, int kExtras = 0>
 __global__ void __launch_bounds__(128 * (W + 1), 1) probe(int num_kb, const uint8_t* src, unsigned long long* out_ns, float* sink,
@@ -253,26 +279,11 @@ __global__ void __launch_bounds__(128 * (W + 1), 1) probe(int num_kb, const uint
             const uint32_t base = sa(stages + s * kStageBytes);
             const uint64_t desc_tok = sw128_desc(base + kCodeBytes + kDeltaBytes);
             Rows r[T];
-            #pragma unroll
-            for (int t = 0; t < T; ++t) {
-                const int q = W == 2 ? (t == 0 ? wg : 2 + wg) : W == 4 ? wg : t;
-                const int row0 = (q / 2) * 128 + (q % 2) * 64, row = row0 + warp * 16 + lane / 4;
-                #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    r[t].codes[h] = lds128(base + (row + 8 * h) * kRowBytes + (lane % 4) * 16);
-                    r[t].offsets[h] = ((lds32(base + kCodeBytes + (row + 8 * h) * 4) << 3) & 0x78787878u) | hi;
-                }
-            }
+            load_rows<W, T>(base, wg, warp, lane, hi, r);
             #pragma unroll
             for (int t = 0; t < T; ++t) {
                 keep(part[t]);
-                #pragma unroll
-                for (int ks = 0; ks < 4; ++ks)
-                    #pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const uint2 e = expand8(word_of(r[t].codes[h], ks), lds64(prmt(r[t].offsets[h], tab, 0x7650u + ks)));
-                        fr[t][ks][h] = e.x, fr[t][ks][2 + h] = e.y;
-                    }
+                expand_rows(r[t], fr[t], tab);
                 wg_fence();
                 #pragma unroll
                 for (int ks = 0; ks < 4; ++ks) wgmma_n8(fr[t][ks], desc_tok + ks * 2, part[t], ks > 0);
@@ -311,30 +322,12 @@ __global__ void __launch_bounds__(128 * (W + 1), 1) probe(int num_kb, const uint
         const uint32_t base = sa(stages + s * kStageBytes);
         const uint64_t desc_tok = sw128_desc(base + kCodeBytes + kDeltaBytes);   // the wgmma's B: 8 tokens
         Rows r[T];
-        #pragma unroll
-        for (int t = 0; t < T; ++t) {
-            // tile q of the four: W = 2 -> gate wg, up wg (the kernel's rows 64 wg and 128 + 64 wg)
-            const int q = W == 2 ? (t == 0 ? wg : 2 + wg) : W == 4 ? wg : t;
-            const int row0 = (q / 2) * 128 + (q % 2) * 64, row = row0 + warp * 16 + lane / 4;
-            #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                r[t].codes[h] = lds128(base + (row + 8 * h) * kRowBytes + (lane % 4) * 16);
-                r[t].offsets[h] = ((lds32(base + kCodeBytes + (row + 8 * h) * 4) << 3) & 0x78787878u) | hi;
-            }
-        }
+        load_rows<W, T>(base, wg, warp, lane, hi, r);
         float part[T][4];
         #pragma unroll
         for (int t = 0; t < T; ++t) {
             keep(part[t]);
-            if constexpr (kMode != 2) {
-                #pragma unroll
-                for (int ks = 0; ks < 4; ++ks)
-                    #pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const uint2 e = expand8(word_of(r[t].codes[h], ks), lds64(prmt(r[t].offsets[h], tab, 0x7650u + ks)));
-                        frag[t][ks][h] = e.x, frag[t][ks][2 + h] = e.y;
-                    }
-            }
+            if constexpr (kMode != 2) expand_rows(r[t], frag[t], tab);
             if constexpr (kMode == 3) {
                 const uint32_t tile = sa(e4m3 + (wg * T + t) * 8192);
                 #pragma unroll
