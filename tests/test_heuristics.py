@@ -342,6 +342,52 @@ def test_launcher_rejects_a_bad_l1_split_setting():
         _C.get_mega_moe_l1_split_max(3)
 
 
+# The split-K L1 plan (the kernel's build_layout calls the same function): the rows the kernel's
+# comments and docs/KERNEL.md name, then, for many (tiles, K-blocks, grid), the plan against a list
+# schedule of its parts (each SM takes the next part in task order when it is free): with at most one
+# tile per SM no plan of even parts up to the cap may end sooner; with more tiles than SMs it never
+# splits (its cost of the unsplit tiles is one round)
+@pytest.mark.parametrize('tiles, num_kb, grid, split_max, plan', [
+    (48, 16, 132, 2, (2, 8)),      # mid at one token: halves
+    (96, 32, 132, 2, (1, 32)),     # v4-flash at one token: halves would take two rounds of 16
+    (96, 32, 132, 4, (4, 8)),      # ... quarters three rounds of 8 (measured slower: the cap is 2)
+    (24, 6, 132, 2, (2, 3)),       # ODD_256 of the GPU tests
+    (12, 5, 132, 2, (1, 5)),       # an odd K-block count does not halve
+    (48, 16, 132, 1, (1, 16)),     # the cap: FP8 x FP8 never splits
+    (200, 32, 132, 4, (1, 32)),    # more tiles than SMs: no split pays
+    (129, 16, 132, 2, (1, 16)),    # more than kMaxSplitTiles tiles
+    (128, 16, 132, 4, (1, 16)),    # quarters: 512 parts would do, but take 4 rounds of 4
+    (0, 32, 132, 2, (1, 32)),
+])
+def test_l1_split_plan_rows(tiles, num_kb, grid, split_max, plan):
+    assert tuple(_C.get_mega_moe_l1_split_plan(tiles, num_kb, grid, split_max)) == plan
+
+
+def _list_schedule_end(tiles, grid, parts, part_kb):
+    free = [0] * grid
+    for _ in range(tiles * parts):
+        i = min(range(grid), key=lambda k: free[k])
+        free[i] += part_kb
+    return max(free)
+
+
+@pytest.mark.parametrize('grid', [8, 64, 78, 132])
+def test_l1_split_plan_against_a_list_schedule(grid):
+    for num_kb in (3, 5, 6, 16, 32, 56, 64):
+        for tiles in range(1, 129):
+            for split_max in (1, 2, 4):
+                parts, part_kb = _C.get_mega_moe_l1_split_plan(tiles, num_kb, grid, split_max)
+                assert parts in (1, 2, 4) and parts <= split_max or parts == 1, (tiles, num_kb, grid, split_max, parts)
+                assert parts * part_kb == num_kb and tiles * parts <= 512
+                if tiles > grid:   # the rule measures against one round of whole tiles: no split
+                    assert parts == 1, (tiles, num_kb, grid, split_max, parts)
+                    continue
+                end = _list_schedule_end(tiles, grid, parts, part_kb)
+                others = [_list_schedule_end(tiles, grid, s, num_kb // s) for s in (1, 2, 4)
+                          if s <= max(split_max, 1) and num_kb % s == 0 and tiles * s <= 512]
+                assert end == min(others), (tiles, num_kb, grid, split_max, parts, end, others)
+
+
 # FP8 x FP4 decode: the kernel with transposed tiles of N = 16 / 32 from 6 expected tokens per local
 # expert on (kFP4WideTokensPerExpert), N = 64 only below; every other kernel N = 64 (none of its own)
 @pytest.mark.parametrize('fmt, experts, topk, n, ranks, wide_n_min', [

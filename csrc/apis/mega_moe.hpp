@@ -114,6 +114,15 @@ inline void register_apis(py::module_& m) {
           "Most K parts of a split-K L1 tile the launcher allows for this format (DG_MEGA_MOE_L1_SPLIT or\n"
           "the heuristic's cap: 1 = never split). Works without a GPU.");
 
+    m.def("get_mega_moe_l1_split_plan",
+          [](int64_t tiles, int num_kb, int64_t grid, int split_max) {
+              const auto plan = mega_moe_l1_split_plan(tiles, num_kb, grid, split_max);
+              return py::make_tuple(plan.parts, plan.part_kb);
+          },
+          py::arg("tiles"), py::arg("num_kb"), py::arg("grid"), py::arg("split_max"),
+          "The kernel's split-K L1 plan of a decode call whose `tiles` L1 tiles are all narrow: (K parts\n"
+          "per tile, K-blocks of each part). Works without a GPU.");
+
     m.def("get_mega_moe_kernel_variant",
           [](int mma_type, int num_ranks, int num_experts, int num_topk, int hidden, int intermediate_hidden,
              int num_tokens, int num_sms, int max_smem_bytes, bool fast_math) {

@@ -239,6 +239,31 @@ struct MegaMoEParams {
     int l1_split_max;
 };
 
+// Split-K L1 of a decode call whose L1 tiles are all narrow (build_layout; docs/KERNEL.md): each of
+// `tiles` tiles of `num_kb` K-blocks runs as `parts` consecutive tasks of `part_kb` K-blocks each. A narrow
+// K-loop is bound by its per-K-block round trip, not by bytes, so the L1 phase lasts about
+// ceil(tiles x s / grid) x num_kb / s K-blocks: the smallest such s of {1, 2, 4} (up to split_max,
+// at most kMaxSplitParts parts) wins. Mid at one token: 48 tiles of 16 K-blocks on 132 SMs, s = 2
+// (8); v4-flash: 96 tiles of 32, s = 4 (3 rounds of 8) under a cap of 4, else unsplit. The unsplit
+// cost is taken as one round, so more tiles than SMs (small grids, virtual ranks) never split. Uneven parts
+// (v4-flash: 24 + 8, the short ones three to each of the 36 idle SMs) measured +10.6 % there: each
+// short part pays a first-stage wait and the exchange, ~2.5 us (docs/PERF.md, session 26).
+struct MegaMoEL1Split {
+    int parts;
+    int part_kb;
+};
+DG_HOST_DEVICE constexpr MegaMoEL1Split mega_moe_l1_split_plan(int64_t tiles, int num_kb, int64_t grid, int split_max) {
+    MegaMoEL1Split plan{1, num_kb};
+    if (tiles <= 0 or tiles > layout::kMaxSplitTiles or grid <= 0) return plan;
+    int64_t best = num_kb;
+    for (int s = 2; s <= split_max; s *= 2) {
+        if (num_kb % s != 0 or tiles * s > layout::kMaxSplitParts) break;
+        const int64_t cost = ceil_div(tiles * s, grid) * (num_kb / s);
+        if (cost < best) best = cost, plan = MegaMoEL1Split{s, num_kb / s};
+    }
+    return plan;
+}
+
 // `SymmBuffer.stage(x, topk_idx, topk_weights)`: one launch that fills a rank's inputs
 struct MegaMoEStageParams {
     layout::MegaMoELayout layout;

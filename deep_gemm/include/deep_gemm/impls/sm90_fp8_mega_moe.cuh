@@ -613,23 +613,13 @@ struct Kernel {
                 sm.mblock_begin[num_le] = running;
                 sm.ctrl->num_mblocks = running;
                 // Split-K L1 (decode): when every L1 tile is narrow (at most kNarrowRows tokens per
-                // expert), each tile may run as s consecutive tasks of num_kb / s K-blocks. A narrow
-                // K-loop is bound by its per-K-block round trip, not by bytes, so the L1 phase lasts
-                // about rounds(s) x num_kb / s K-blocks, rounds(s) = ceil(tiles x s / grid): the
-                // smallest such s of {1, 2, 4} (up to p.l1_split_max) wins. Mid at one token: 48
-                // tiles of 16 K-blocks on 132 SMs, s = 2 (8); v4-flash: 96 tiles of 32, s = 4 (24).
+                // expert), each tile may run as s consecutive tasks of num_kb / s K-blocks
+                // (mega_moe_l1_split_plan, mega_moe_params.cuh)
                 const int64_t tiles = static_cast<int64_t>(running) * (lay.intermediate_hidden / 128);
                 const int num_kb = lay.hidden / BLOCK_K;
-                int split = 1;
-                if (kSplitN and max_tokens <= kNarrowRows and tiles > 0 and tiles <= L::kMaxSplitTiles) {
-                    int64_t best = num_kb;
-                    for (int s = 2; s <= p.l1_split_max; s *= 2) {
-                        if (num_kb % s != 0 or tiles * s > L::kMaxSplitParts) break;
-                        const int64_t cost = ceil_div(tiles * s, static_cast<int64_t>(gridDim.x)) * (num_kb / s);
-                        if (cost < best) best = cost, split = s;
-                    }
-                }
-                sm.ctrl->l1_split = split;
+                MegaMoEL1Split split{1, num_kb};
+                if (kSplitN and max_tokens <= kNarrowRows) split = mega_moe_l1_split_plan(tiles, num_kb, gridDim.x, p.l1_split_max);
+                sm.ctrl->l1_split = split.parts;
                 if (static_cast<int64_t>(running) * BLOCK_M > lay.num_pool_rows)
                     report(p, StatusCode::kBadCount, Phase::kRecvCounts, p.rank, running, true, sm.ctrl);
             }
