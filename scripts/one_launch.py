@@ -46,7 +46,12 @@ if args.bad_ids:
         m_in.topk_idx[3, 1], m_in.topk_idx[7, 2] = -1, -1
     inputs, expected = bad, masked
 ys = mc.run_ranks(w, inputs, bufs)
-worst = max(calc_diff(y.float(), mc.reference(w, x)) for y, x in zip(ys, expected))
+# calc_diff tolerances of tests/test_mega_moe_gpu.py (its docstring says why); a NaN (an unwritten,
+# poisoned row) fails whatever the other ranks' figures are
+TOL = {'fp8xfp8': 3e-4, 'fp8xfp4': 3e-4, 'bf16xbf16': 2e-6}
+diffs = [calc_diff(y.float(), mc.reference(w, x)) for y, x in zip(ys, expected)]
+has_nan = any(bool(torch.isnan(y).any()) for y in ys)
+worst = float('nan') if has_nan else max(diffs)
 try:
     for b in bufs:
         b.check()
@@ -57,5 +62,5 @@ except deep_gemm.MegaMoEError as err:
 variant = kernel_variant(fmt, args.ranks, e, k, h, i, ns[0], args.sms, _max_smem(torch.device('cuda')))
 print(f'{fmt} n={args.tokens} ranks={args.ranks} bad_ids={args.bad_ids}: worst calc_diff {worst:.3e}; {status}; '
       f'kernel variant {variant}', flush=True)
-ok = worst < 3e-4 and (('expert id' in status) if args.bad_ids else status == 'no error recorded')
+ok = not has_nan and worst < TOL[fmt] and (('expert id' in status) if args.bad_ids else status == 'no error recorded')
 raise SystemExit(0 if ok else 1)

@@ -74,7 +74,7 @@ def test_decode_picks_block_m_64_and_prefill_128():
 def test_fixed_tiles(mma_type):
     c = config(mma_type)
     assert c['mma_type'] == MMA_TYPES[mma_type]
-    assert c['block_n_l1'] == 256 and c['block_n_l2'] == 128
+    assert c['block_n_l1'] == 256   # block_n_l2 follows the call (test_l2_task_width)
     assert c['block_k'] == (64 if mma_type == 'bf16xbf16' else 128)
     assert c['num_sms'] == H200_SMS
 
@@ -229,8 +229,8 @@ def test_smem_breakdown_adds_up(mma_type, num_tokens):
 
 
 def test_l2_task_width():
-    # 256-wide L2 tasks only for decode calls with a few tokens per expert whose 128-wide L2 tasks
-    # would outnumber the SMs (v4-flash at one token: 6 experts x 32 = 192 > 132)
+    # 256-wide L2 tasks for decode calls whose 128-wide L2 tasks would outnumber the SMs (v4-flash
+    # at one token: 6 experts x 32 = 192 > 132)
     assert config('fp8xfp8', num_ranks=1, num_experts=256, num_topk=6, hidden=4096, num_tokens=1)['block_n_l2'] == 256
     # mid at one token: 8 experts x 16 = 128 tasks fit 132 SMs
     assert config('fp8xfp8', num_ranks=1, num_experts=128, num_topk=8, hidden=2048, intermediate_hidden=768,
@@ -238,10 +238,22 @@ def test_l2_task_width():
     # ... but not on 64 SMs
     assert config('fp8xfp8', num_ranks=1, num_experts=128, num_topk=8, hidden=2048, intermediate_hidden=768,
                   num_tokens=1, num_sms=64)['block_n_l2'] == 256
-    # prefill (BLOCK_M 128) and decode with many tokens per expert keep 128
-    for n in (512, 8192):
-        assert config('fp8xfp8', num_ranks=1, num_experts=128, num_topk=8, hidden=2048, intermediate_hidden=768,
-                      num_tokens=n)['block_n_l2'] == 128
+    # prefill (BLOCK_M 128) keeps 128
+    for fmt in ('fp8xfp8', 'fp8xfp4', 'bf16xbf16'):
+        c = config(fmt, num_ranks=1, num_experts=128, num_topk=8, hidden=2048, intermediate_hidden=768, num_tokens=8192)
+        assert (c['block_m'], c['block_n_l2']) == (128, 128)
+    # decode with 8 or more tokens per expert (mid: n = 128 is 8 per expert, n = 512 32; BLOCK_M 64
+    # up to 64): FP8 and BF16 512-wide, FP8 x FP4 256-wide; fewer tokens per expert 256 (mid n = 8,
+    # 64: 0.5, 4 per expert)
+    mid = dict(num_ranks=1, num_experts=128, num_topk=8, hidden=2048, intermediate_hidden=768)
+    for fmt, n, width in [('fp8xfp8', 8, 256), ('fp8xfp8', 64, 256), ('fp8xfp8', 128, 512), ('fp8xfp8', 512, 512),
+                          ('fp8xfp8', 1024, 512), ('bf16xbf16', 8, 256), ('bf16xbf16', 256, 512),
+                          ('fp8xfp4', 8, 256), ('fp8xfp4', 256, 256), ('fp8xfp4', 1024, 256)]:
+        c = config(fmt, num_tokens=n, **mid)
+        assert (c['block_m'], c['block_n_l2']) == (64, width), (fmt, n, c)
+    # ... where H is whole tasks of that width: H = 768 (3 x 256) at 16 tokens per expert: 256
+    c = config('fp8xfp8', num_ranks=1, num_experts=64, num_topk=8, hidden=768, intermediate_hidden=384, num_tokens=128)
+    assert (c['block_m'], c['block_n_l2']) == (64, 256)
 
 
 def test_l2_task_width_counts_one_ranks_tasks():
@@ -277,7 +289,8 @@ _MID_N4096 = (MMA_TYPES['fp8xfp8'], 1, 128, 8, 2048, 768, 4096, H200_SMS)    # p
 _ODD_H_N1 = (MMA_TYPES['fp8xfp8'], 1, 256, 6, 1152, 2048, 1, H200_SMS)       # H = 9 x 128: no 256-wide task
 _V4_FP4_N1 = (MMA_TYPES['fp8xfp4'], 1, 256, 6, 4096, 2048, 1, H200_SMS)
 _V4_BF16_N1 = (MMA_TYPES['bf16xbf16'], 1, 256, 6, 4096, 2048, 1, H200_SMS)
-_CASES = [_V4_FLASH_N1, _MID_N1, _MID_N4096, _ODD_H_N1, _V4_FP4_N1, _V4_BF16_N1]
+_H768_N1 = (MMA_TYPES['fp8xfp8'], 1, 64, 8, 768, 384, 1, H200_SMS)           # H = 3 x 256: no 512-wide task
+_CASES = [_V4_FLASH_N1, _MID_N1, _MID_N4096, _ODD_H_N1, _V4_FP4_N1, _V4_BF16_N1, _H768_N1]
 
 
 def _launched_variants(override, cases=_CASES):
@@ -286,9 +299,10 @@ def _launched_variants(override, cases=_CASES):
 
 
 @pytest.mark.parametrize('override, widths', [
-    (None, [256, 128, 128, 128, 256, 256]),    # the heuristic's choice
-    ('128', [128, 128, 128, 128, 128, 128]),
-    ('256', [256, 256, 128, 128, 256, 256]),   # not with BLOCK_M 128, nor with H % 256 != 0
+    (None, [256, 128, 128, 128, 256, 256, 128]),    # the heuristic's choice
+    ('128', [128, 128, 128, 128, 128, 128, 128]),
+    ('256', [256, 256, 128, 128, 256, 256, 256]),   # not with BLOCK_M 128, nor with H % 256 != 0
+    ('512', [512, 512, 128, 128, 512, 512, 256]),   # the widest that divides H (BLOCK_M 64 only)
 ])
 def test_launched_kernel_has_the_l2_width(override, widths):
     for args, v, width in zip(_CASES, _launched_variants(override), widths):
@@ -311,7 +325,10 @@ def test_256_wide_l2_needs_block_m_64():
     with pytest.raises(ValueError, match='block_n_l2'):
         _C.get_mega_moe_kernel_source(MMA_TYPES['fp8xfp8'], 128, 3, True, 256)
     with pytest.raises(ValueError, match='block_n_l2'):
-        _C.get_mega_moe_kernel_source(MMA_TYPES['fp8xfp8'], 64, 5, True, 192)
+        _C.get_mega_moe_kernel_source(MMA_TYPES['fp8xfp8'], 128, 3, True, 512)
+    for width in (192, 1024):
+        with pytest.raises(ValueError, match='block_n_l2'):
+            _C.get_mega_moe_kernel_source(MMA_TYPES['fp8xfp8'], 64, 5, True, width)
     # the default is the 128-wide kernel
     assert _C.get_mega_moe_kernel_source(MMA_TYPES['fp8xfp8'], 64, 5) == \
         _C.get_mega_moe_kernel_source(MMA_TYPES['fp8xfp8'], 64, 5, True, 128)

@@ -2,10 +2,10 @@
 compiles every kernel variant it ships), on a machine without a GPU.
 
 Variants: 3 formats x BLOCK_M {64, 128} (stage counts from the heuristics for an H100/H200) x
-fast/exact SwiGLU, with 128-wide L2 tasks and, at BLOCK_M 64, also 256-wide ones (a kernel of its
-own), plus the two input-staging kernels. The SASS, where cuobjdump is available, must hold the
-tensor-core instructions the format needs (QGMMA for FP8 operands, HGMMA for BF16) and TMA loads
-(UTMALDG). scripts/prebuild_kernels.py compiles the same list.
+fast/exact SwiGLU, with 128-wide L2 tasks and, at BLOCK_M 64, also 256-wide ones and (FP8, BF16)
+512-wide ones (kernels of their own), plus the two input-staging kernels. The SASS, where cuobjdump
+is available, must hold the tensor-core instructions the format needs (QGMMA for FP8 operands,
+HGMMA for BF16) and TMA loads (UTMALDG). scripts/prebuild_kernels.py compiles the same list.
 """
 import json
 import os
@@ -24,13 +24,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FORMATS = ('fp8xfp8', 'fp8xfp4', 'bf16xbf16')
 
 
+def l2_widths(fmt, block_m):
+    # the L2 task widths the heuristic picks (FP8 x FP4's 512-wide kernels: _tuning_variants)
+    return (128,) if block_m != 64 else (128, 256) if fmt == 'fp8xfp4' else (128, 256, 512)
+
+
 def _variants():
     seen = []
     for fmt in FORMATS:
         for n in (1, 1 << 16):       # decode picks BLOCK_M 64, prefill 128
             c = _C.get_mega_moe_config(mma_type_to_int(fmt), 1, 256, 8, 7168, 2048, n, 132, H200_SMEM)
             for fast in (True, False):
-                for block_n_l2 in ((128, 256) if c['block_m'] == 64 else (128,)):
+                for block_n_l2 in l2_widths(fmt, c['block_m']):
                     # FP8 x FP4 decode: with and without the N = 16 / 32 transposed tiles, each with and
                     # without the signals thread
                     fp4_decode = fmt == 'fp8xfp4' and c['block_m'] == 64
@@ -42,7 +47,17 @@ def _variants():
     return seen
 
 
-@pytest.mark.parametrize('variant', _variants(),
+# Kernels only a tuning aid launches (compiled on first use, not prebuilt): FP8 x FP4's 512-wide L2
+# tasks (DG_MEGA_MOE_L2_BLOCK_N=512), with and without N = 16 / 32 tiles and the signals thread
+def _tuning_variants():
+    out = []
+    for v in _variants():
+        if v[0] == 'fp8xfp4' and v[1] == 64 and v[3] and v[4] == 256 and v[5:] in ((64, False), (16, True)):
+            out.append((*v[:4], 512, *v[5:]))
+    return out
+
+
+@pytest.mark.parametrize('variant', _variants() + _tuning_variants(),
                          ids=lambda v: f'{v[0]}-m{v[1]}-n{v[4]}-s{v[2]}-{"fast" if v[3] else "exact"}-w{v[5]}{"-sig" if v[6] else ""}')
 def test_mega_moe_variant_compiles_for_sm90a(variant, requires_nvcc):
     fmt, block_m, stages, fast, block_n_l2, wide_n_min, signals = variant
@@ -103,14 +118,14 @@ def test_prebuild_covers_every_kernel_the_launcher_picks():
                     signals.add(c['signals_thread'])
                     assert v['signals_thread'] == c['signals_thread']
                     fp4_decode = fmt == 'fp8xfp4' and v['block_m'] == 64
-                    for width in (128, 256) if v['block_m'] == 64 else (128,):   # heuristic or override
+                    for width in l2_widths(fmt, v['block_m']):   # heuristic or override
                         for wide_n_min in (64, 16, 32) if fp4_decode else (64,):
                             for sig in (False, True) if fp4_decode else (False,):
                                 for fast in (True, False):
                                     picked.add((v['mma_type'], v['block_m'], v['num_stages'], fast, width, wide_n_min, sig))
     # DG_MEGA_MOE_WIDE_N=32 picks kernels no prebuild carries (a tuning aid: compiled on first use)
     assert {p for p in picked if p[5] != 32} <= prebuilt, {p for p in picked if p[5] != 32} - prebuilt
-    assert widths == {128, 256}, 'the sweep should meet both widths'
+    assert widths == {128, 256, 512}, 'the sweep should meet every width'
     assert wide_ns == {64, 16}, 'the sweep should meet both FP8 x FP4 decode kernels'
     assert signals == {False, True}, 'the sweep should meet the kernels with and without the signals thread'
 
@@ -170,7 +185,7 @@ def test_virtual_ranks_prepare_every_variant_before_the_first_launch(monkeypatch
     # The kernels the launcher picks per rank (mma_type, ..., num_tokens, num_sms, max_smem, fast_math)
     variants = [_C.get_mega_moe_kernel_variant(*a[:-1]) for a in args]
     assert [v['block_m'] for v in variants] == [64, 64, 64, 128]
-    assert [v['block_n_l2'] for v in variants] == [128, 256, 128, 128]
+    assert [v['block_n_l2'] for v in variants] == [512, 256, 128, 128]
     assert [a[6] for a in args] == ns
     assert [e[1] for e in events[4:]] == ns
 

@@ -49,11 +49,13 @@ def weights_for(mma_type, hidden, inter, experts, ranks, seed=0):
     return _weights_cache[key]
 
 
-def check_case(mma_type, hidden, inter, experts, topk, ns, seed, n_max=None, clamp=None, weights=None, **routing):
+def check_case(mma_type, hidden, inter, experts, topk, ns, seed, n_max=None, clamp=None, weights=None, sms=None, **routing):
     ranks = len(ns)
     n_max = n_max or max(max(ns), 1)
     w = weights or weights_for(mma_type, hidden, inter, experts, ranks)
     bufs = mc.make_buffers(mma_type, ranks, experts, n_max, topk, hidden, inter)
+    for b in bufs if sms else ():   # CTAs per rank (default: the GPU's SMs / ranks)
+        b.num_sms = sms
     inputs = mc.make_inputs(mma_type, ns, hidden, experts, topk, seed, **routing)
     ys = mc.run_ranks(w, inputs, bufs, activation_clamp=clamp)
     worst = 0.0
@@ -152,6 +154,44 @@ def test_fp4_transposed_tiles_wide_n_32(experts_allowed):
     variant = ast.literal_eval(found.group(1))
     assert (variant[1], variant[4], variant[5]) == (64, 256, 32), f'{variant}: the case no longer covers what it says'
     record_diff('fp8xfp4', float(re.search(r'worst calc_diff (\S+);', run.stdout).group(1)))
+
+
+# 512-wide L2 tasks forced (DG_MEGA_MOE_L2_BLOCK_N=512: the heuristic picks them for FP8 / BF16 from
+# 8 tokens per expert only, FP8 x FP4 never; read once per process: the test runs itself again in a
+# child with it set) on every decode case below: a narrow (or FP8 x FP4
+# transposed) M-block's task runs two 256-row passes, a wide one's four 128-row passes, each pass a
+# whole K loop, the task signalled done after its last. Narrow and wide M-blocks side by side, virtual
+# ranks with different n, few CTAs (many tasks each) and the whole grid, the signals thread; every
+# case at the suite's tolerance. hidden 512 (the small shape) is one L2 task per M-block.
+L2_512_CASES = [   # (shape, ns, seed, routing, sms)
+    (SMALL, [8], 41, {}, 8), (SMALL, [48, 13], 42, {}, 16), (SMALL, [1, 7, 64, 0], 43, {}, None),
+    (MID, [1], 44, {}, None), (MID, [128], 45, {}, None), (MID, [128], 46, {'experts_allowed': 20}, None),
+]
+
+
+@pytest.mark.parametrize('mma_type', FORMATS)
+def test_l2_tasks_512_wide(mma_type):
+    if os.environ.get('DG_MEGA_MOE_L2_BLOCK_N') != '512':
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        cmd = [sys.executable, '-m', 'pytest', '-q', '-x', '-p', 'no:cacheprovider', os.path.abspath(__file__),
+               '-k', f'test_l2_tasks_512_wide and {mma_type}']
+        env = dict(os.environ, DG_MEGA_MOE_L2_BLOCK_N='512',
+                   PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get('PYTHONPATH')])))
+        if mma_type == 'fp8xfp4':
+            env['DG_MEGA_MOE_SIGNALS_THREAD'] = '1'   # the FP8 x FP4 decode kernels people run at scale
+        run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=root)
+        assert run.returncode == 0, f'{run.stdout[-4000:]}\n{run.stderr[-3000:]}'
+        assert re.search(r'\b1 passed', run.stdout), run.stdout[-2000:]
+        found = re.search(rf'{mma_type} (\S+)', re.search(r'worst calc_diff per format: (.*)', run.stdout).group(1))
+        record_diff(mma_type, float(found.group(1).rstrip(',')))
+        return
+    smem = _max_smem(torch.device('cuda'))
+    for (hidden, inter, experts, topk), ns, seed, routing, sms in L2_512_CASES:
+        w = weights_for(mma_type, hidden, inter, experts, len(ns))
+        for r, n in enumerate(ns):
+            v = kernel_variant(mma_type, len(ns), experts, topk, hidden, inter, n, sms or _C.get_num_sms() // len(ns), smem)
+            assert v[1] == 128 or v[4] == 512, f'rank {r} n = {n}: {v} is not the 512-wide kernel'
+        check_case(mma_type, hidden, inter, experts, topk, ns, seed, weights=w, sms=sms, **routing)
 
 
 # The signals thread (FP8 x FP4 decode; DG_MEGA_MOE_SIGNALS_THREAD=1, read once per process: a

@@ -61,12 +61,14 @@ def test_prebuild_lists_the_ep_kernels():
     assert result.returncode == 0, result.stderr
     keys = [eval(line) for line in result.stdout.splitlines() if line.startswith('(')]
     assert sorted({(k[0], k[1]) for k in keys}) == [(f, m) for f in (0, 1, 2) for m in (64, 128)]
-    assert all(k[3] is True for k in keys) and all(k[4] == 128 or (k[4], k[1]) == (256, 64) for k in keys)
+    # L2 widths: 128, 256 at BLOCK_M 64, 512 at BLOCK_M 64 for FP8 / BF16 (mma types 1, 2)
+    assert all(k[3] is True for k in keys)
+    assert all(k[4] == 128 or (k[4], k[1]) == (256, 64) or (k[4], k[1], k[0] != 0) == (512, 64, True) for k in keys)
     assert 'first needed by fp8xfp8 check small n=0' in result.stdout
     full = run('fp8xfp8', 'fp8xfp4', 'bf16xbf16')
-    # fast and exact, 256-wide L2 at BLOCK_M 64, FP8 x FP4 decode with and without the N = 16 / 32 tiles,
-    # each of those 8 with and without the signals thread
-    assert full.returncode == 0 and len(full.stdout.splitlines()) == 30
+    # fast and exact, 256-wide L2 at BLOCK_M 64 (FP8 and BF16 also 512-wide: 4), FP8 x FP4 decode with
+    # and without the N = 16 / 32 tiles, each of those 8 with and without the signals thread
+    assert full.returncode == 0 and len(full.stdout.splitlines()) == 34
     assert all(k[5] == 64 or (k[0], k[1], k[5]) == (0, 64, 16) for k in keys)
     assert run('--ep', '1').returncode == 2 and run('fp16').returncode == 2
 

@@ -44,6 +44,9 @@ constexpr int kFP4WideTokensPerExpert = 6;
 // at mid n = 8 / 32 / 128, -1.9 % at deepseek-v3 n = 8; +4.2 % at v4-flash n = 2, 2.9 per SM, and
 // +7 % at one token, 1.5)
 constexpr int kSignalsThreadMinTasksPerSM = 4;
+// FP8 / BF16 decode: 512-wide L2 tasks from this many expected tokens per local expert touched
+// (docs/PERF.md, session 28)
+constexpr int kL2WideTokensPerExpert = 8;
 // Opt-in shared memory per block on every Hopper part the kernel targets (H100/H200: 227 KB)
 constexpr int kSM90MaxSmemBytes = 232448;
 }  // namespace mega_moe_tiles
@@ -53,7 +56,7 @@ struct MegaMoEConfig {
     int block_m;               // 64 or 128 pool rows per M-block
     int num_math_warpgroups;   // 2: 64 rows each (block_m 128) or half the columns each (block_m 64)
     int block_n_l1;            // 256: 128 gate + 128 up columns
-    int block_n_l2;            // L2 task width, a kernel variant: 128, or 256 (decode, 128-wide tasks outnumber the SMs)
+    int block_n_l2;            // L2 task width, a kernel variant: 128, or 256 / 512 (decode, 128-wide tasks outnumber the SMs)
     int wide_n_min;            // narrowest transposed wide tile, a kernel variant: 64, or 16 (FP8 x FP4 decode, many tokens per expert)
     bool signals_thread;       // FP8 x FP4 decode: a dispatch thread raises the math's task signals (a kernel variant, `_sig`)
     int block_k;               // 128 (FP8) or 64 (BF16): one 128-byte swizzle row
@@ -192,17 +195,27 @@ inline MegaMoEConfig get_mega_moe_config(MmaType mma_type, int num_ranks, int nu
     const int64_t l1_tasks_per_expert = expected_mblocks * (2 * static_cast<int64_t>(intermediate_hidden) / c.block_n_l1);
     c.num_experts_per_wave = static_cast<int>(min_of<int64_t>(num_local_experts, ceil_div<int64_t>(num_sms, l1_tasks_per_expert)));
 
-    // L2 task width (a kernel variant: kL2BlockN). Decode (BLOCK_M = 64) whose experts hold a few tokens each (narrow tiles) and
-    // whose 128-wide L2 tasks would outnumber the SMs: 256-wide tasks, so the L2 phase is one wave
-    // (v4-flash at one token: 192 tasks of 128 on 132 SMs leave a second round to 60 CTAs) and each
-    // task's fixed costs are paid half as often. Per rank: its local experts touched (at most E / R,
-    // at most the pairs it receives, n * topk on average) against its own SMs.
+    // L2 task width (a kernel variant: kL2BlockN). Decode (BLOCK_M = 64) whose 128-wide L2 tasks would
+    // outnumber the SMs: 256-wide tasks, so the L2 phase takes fewer waves (v4-flash at one token: 192
+    // tasks of 128 on 132 SMs leave a second round to 60 CTAs) and each task's fixed costs are paid
+    // half as often; FP8 x FP4's transposed tiles (M-blocks of more than 8 tokens) also expand one
+    // 64-row M tile while the other's wgmmas run (v4-flash n = 512: -23 %, mid n = 256: -17 %
+    // against 128-wide tasks). FP8 and BF16 at 8 or more expected tokens per expert (wide M-blocks
+    // next to the narrow ones): 512-wide tasks, a wide M-block's four 128-row passes under one
+    // ticket (mid n = 128 / 256 / 512 FP8: -1.5 to -3 / -2 / -1.6 % against 256-wide, BF16 n = 256
+    // -2 %; below 8 tokens per expert 512 loses: mid BF16 n = 8 +7 %). FP8 x FP4 stays at 256 (512
+    // within 1 % at n >= 32, +2.6 % at mid n = 8). docs/PERF.md, session 28. Per rank: its local
+    // experts touched (at most E / R, at most the pairs it receives, n * topk on average) against
+    // its own SMs.
     const int64_t pairs_per_rank = max_of<int64_t>(1, ceil_div<int64_t>(num_routed_pairs, num_ranks));
     const int64_t experts_touched = min_of<int64_t>(num_local_experts, pairs_per_rank);
     const int64_t l2_tasks_128 = experts_touched * expected_mblocks * (hidden / kMegaMoEBlockNL2);
-    const bool few_tokens_per_expert = pairs_per_rank <= 8 * experts_touched;
-    if (c.block_m == 64 and few_tokens_per_expert and l2_tasks_128 > num_sms and hidden % 256 == 0)
+    if (c.block_m == 64 and l2_tasks_128 > num_sms and hidden % (2 * kMegaMoEBlockNL2) == 0) {
         c.block_n_l2 = 2 * kMegaMoEBlockNL2;
+        const bool wide_mblocks = pairs_per_rank >= kL2WideTokensPerExpert * experts_touched;
+        if (mma_type != MmaType::kFP8xFP4 and wide_mblocks and hidden % (4 * kMegaMoEBlockNL2) == 0)
+            c.block_n_l2 = 4 * kMegaMoEBlockNL2;
+    }
 
     // FP8 x FP4 decode runs M-blocks of more than 8 tokens as transposed tiles of N = 64, or with the
     // kernel variant of N = 16 / 32 / 64 by the M-block's tokens, whose tensor work and promotion follow

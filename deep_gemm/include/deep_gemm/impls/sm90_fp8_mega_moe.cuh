@@ -164,7 +164,7 @@ struct TensorMaps {
 template <MmaType kMmaType, int BLOCK_M, int kNumStages, bool kFastMath, int kL2BlockN, int kWideNMin>
 struct Kernel {
     static_assert(BLOCK_M == 64 or BLOCK_M == 128, "one or two math warpgroups of 64 rows");
-    static_assert(mega_moe_l2_block_n_ok(BLOCK_M, kL2BlockN), "L2 tasks: 128 wide, or 256 wide with BLOCK_M = 64");
+    static_assert(mega_moe_l2_block_n_ok(BLOCK_M, kL2BlockN), "L2 tasks: 128 wide, or 256 / 512 wide with BLOCK_M = 64");
     static_assert(mega_moe_wide_n_ok(kMmaType, BLOCK_M, kWideNMin), "transposed tiles below N = 64: FP8 x FP4 decode only");
     static_assert(L::kMaxBlockM % BLOCK_M == 0 and BLOCK_M >= L::kMinBlockM, "pools are padded for kMinBlockM..kMaxBlockM");
     static_assert(kNumStages >= 2, "pipeline needs at least double buffering");
@@ -186,7 +186,13 @@ struct Kernel {
     static constexpr int kNarrowABytes = kMegaMoENarrowRows * 128;   // A box of a narrow tile
     static constexpr int kBBytesL1 = kMegaMoEBlockNL1 * 128;
     static constexpr int kBBytesL2 = kMegaMoEBlockNL2 * 128;
-    static constexpr int kL2Tiles = kL2BlockN / kMegaMoEBlockNL2;      // 128-column tiles per L2 task
+    // An L2 task of a narrow or transposed M-block runs kL2Passes passes of kL2PassN rows (128 or
+    // 256: one B tile, kL2Tiles 128-column tiles) over all of I's K-blocks; a 512-wide task is two
+    // 256-row passes. A wide M-block's task runs kL2WidePasses passes of 128 rows.
+    static constexpr int kL2PassN = kL2BlockN < 2 * kMegaMoEBlockNL2 ? kL2BlockN : 2 * kMegaMoEBlockNL2;
+    static constexpr int kL2Tiles = kL2PassN / kMegaMoEBlockNL2;       // 128-column tiles per pass
+    static constexpr int kL2Passes = kL2BlockN / kL2PassN;
+    static constexpr int kL2WidePasses = kL2BlockN / kMegaMoEBlockNL2;
     static constexpr int kStageBytes = mega_moe_stage_bytes(kMmaType, BLOCK_M);
     static constexpr int kStageSfBytes = mega_moe_stage_sf_bytes(kMmaType, BLOCK_M);
     static constexpr int kStageExtraBytes = mega_moe_stage_extra_bytes(kMmaType, BLOCK_M);
@@ -1024,13 +1030,18 @@ struct Kernel {
             const int task_kb = num_kb / split;
             kb0 = (idx % split) * task_kb;
             // The task's B rows (L1: 256, gate row block 2j, up 2j + 1), streamed in one pass, but
-            // for a 256-wide L2 task (kL2Tiles == 2): one 256-row tile when its M-block is narrow,
-            // else two passes of 128 rows, each a whole K loop (the math runs its 128-column tile twice)
+            // for a wider L2 task (kL2BlockN 256 / 512): passes of kL2PassN rows (256) when its M-block
+            // is narrow (or transposed), else passes of 128 rows, each pass a whole K loop (the math
+            // runs its tile once per pass)
             int b_rows = is_l1 ? kMegaMoEBlockNL1 : kMegaMoEBlockNL2;
             int num_passes = 1;
-            if constexpr (kL2Tiles == 2) {
-                if (not is_l1 and (kTransposedWide or valid_rows(m, le) <= kNarrowRows)) b_rows = kL2BlockN;   // as the math decides
-                else if (not is_l1) num_passes = 2;
+            if constexpr (kL2BlockN > kMegaMoEBlockNL2) {
+                if (not is_l1 and (kTransposedWide or valid_rows(m, le) <= kNarrowRows)) {   // as the math decides
+                    b_rows = kL2PassN;
+                    if constexpr (kL2Passes > 1) num_passes = kL2Passes;
+                } else if (not is_l1) {
+                    num_passes = kL2WidePasses;
+                }
             }
             // With kL2Tiles == 1 what follows is the 128-wide kernel from before the 256-wide
             // variant, and its SASS is identical (docs/KERNEL.md): keep the 256-wide code in
@@ -1063,7 +1074,7 @@ struct Kernel {
             const float* w_sf = nullptr;
             if constexpr (kFP8)
                 w_sf = is_l1 ? p.l1_weight_scales + (static_cast<int64_t>(le) * (2 * lay.intermediate_hidden / 128) + 2 * j) * num_kb
-                             : p.l2_weight_scales + (static_cast<int64_t>(le) * (lay.hidden / 128) + j * kL2Tiles) * num_kb;
+                             : p.l2_weight_scales + (static_cast<int64_t>(le) * (lay.hidden / 128) + j * kL2WidePasses) * num_kb;
             if constexpr (kFP4) {
                 const int row_blocks = (is_l1 ? 2 * lay.intermediate_hidden : lay.hidden) / 128;
                 row_block0 = le * row_blocks + j * (b_rows * num_passes / 128);
@@ -1101,8 +1112,8 @@ struct Kernel {
                     }
                 } else {
                     tma_load_2d(sm.stage_b(s), tm_w, sm.full + s, kb * BLOCK_K, b_row0);   // L1 256 rows, L2 128
-                    if constexpr (kL2Tiles == 2) {   // a narrow M-block's 256-wide L2 tile: its second 128 rows
-                        if (not is_l1 and b_rows == kL2BlockN)
+                    if constexpr (kL2Tiles == 2) {   // a narrow M-block's 256-row L2 pass: its second 128 rows
+                        if (not is_l1 and b_rows == kL2PassN)
                             tma_load_2d(sm.stage_b(s) + kMegaMoEBlockNL2 * 128, tm_w, sm.full + s, kb * BLOCK_K, b_row0 + kMegaMoEBlockNL2);
                     }
                 }
@@ -1134,7 +1145,7 @@ struct Kernel {
             const int num_prefetch = min_of(task_kb, min_of(kNumStages, is_l1 ? p.num_prefetch_stages : p.num_prefetch_stages_l2));
             bool ok = true, ready = false;
             if constexpr (kTaskLog) producer_log(kTaskStampDecoded);
-            [[maybe_unused]] next_pass:   // a two-pass L2 task's second pass (a goto: no loop in the 128-wide kernel)
+            [[maybe_unused]] next_pass:   // an L2 task's next pass (a goto: no loop in the 128-wide kernel)
             {
                 int a_next = 0;     // the first K-block of this pass whose A tile is not issued yet
                 for (int kb = 0; kb < task_kb and ok; ++kb) {
@@ -1180,12 +1191,15 @@ struct Kernel {
             }
             if (not ok) break;
             stage_iter += task_kb;
-            if constexpr (kL2Tiles == 2) {
-                if (--num_passes > 0) {   // the task's second 128 rows; its dependency is met (ready)
+            if constexpr (kL2BlockN > kMegaMoEBlockNL2) {
+                if (--num_passes > 0) {   // the task's next b_rows rows; its dependency is met (ready)
                     ready = true;
-                    b_row0 += kMegaMoEBlockNL2;
-                    if constexpr (kFP8) w_sf += num_kb;
-                    if constexpr (kFP4) block0 += num_kb, ++row_block0;
+                    // 128-row blocks a pass spans: 1 in a 256-wide kernel (only a wide M-block's task has
+                    // two passes there), b_rows / 128 in a 512-wide one
+                    const int pass_rbs = kL2Passes > 1 ? b_rows / kMegaMoEBlockNL2 : 1;
+                    b_row0 += pass_rbs * kMegaMoEBlockNL2;
+                    if constexpr (kFP8) w_sf += pass_rbs * num_kb;
+                    if constexpr (kFP4) block0 += pass_rbs * num_kb, row_block0 += pass_rbs;
                     goto next_pass;
                 }
             }
@@ -2119,7 +2133,7 @@ struct Kernel {
         if (mt.tid == 0) signal_l1_done(m);
     }
 
-    // L2 on a narrow tile of kL2BlockN output columns: warpgroup w runs the kL2Tiles 64-row wgmma M
+    // L2 on a narrow tile of kL2PassN output columns (one pass of the task): warpgroup w runs the kL2Tiles 64-row wgmma M
     // tiles [kL2Tiles w, kL2Tiles w + kL2Tiles) of the B tile (128 wide: its 64 of the 128 columns;
     // 256 wide: both halves of row block w, whose weight scale is stage float w). acc: 4 per tile.
     __device__ bool narrow_l2_mainloop(uint32_t& stage_iter, const MathThread& mt, float (&acc)[4 * kL2Tiles]) {
@@ -2190,10 +2204,11 @@ struct Kernel {
 
     // L2 epilogue of a narrow tile: BF16 token rows into the source ranks' combine slots; each
     // warpgroup stages and copies its own kL2Tiles x 64 columns of every token row (staging rows
-    // of kL2BlockN BF16 + 16 bytes)
-    __device__ void narrow_l2_epilogue(int m, int j, int num_rows, const MathThread& mt, const float (&acc)[4 * kL2Tiles]) {
+    // of kL2PassN BF16 + 16 bytes). `j`: the pass's kL2PassN-column block of H; last_pass: the
+    // task's last pass (a 512-wide task has two), which signals the task done.
+    __device__ void narrow_l2_epilogue(int m, int j, int num_rows, const MathThread& mt, const float (&acc)[4 * kL2Tiles], bool last_pass = true) {
         const NarrowThread nt(mt);
-        constexpr int kRowBytes = kL2BlockN * 2 + 16;
+        constexpr int kRowBytes = kL2PassN * 2 + 16;
         static_assert(kNarrowRows * kRowBytes <= BLOCK_M * kMegaMoEEpilogueRowBytes, "staging rows fit the epilogue tile");
         uint8_t* tile = sm.epilogue;
         const int col = mt.wg * kL2Tiles * 64;
@@ -2211,11 +2226,12 @@ struct Kernel {
             if (info >= 0) {
                 const int n_max = lay.num_max_tokens_per_rank, topk = lay.num_topk;
                 const int src = info / (n_max * topk), token = (info % (n_max * topk)) / topk, k = info % topk;
-                auto* dst = peer<uint8_t>(src, lay.combine) + ((static_cast<int64_t>(k) * n_max + token) * lay.hidden + j * kL2BlockN) * 2 + c;
+                auto* dst = peer<uint8_t>(src, lay.combine) + ((static_cast<int64_t>(k) * n_max + token) * lay.hidden + j * kL2PassN) * 2 + c;
                 *reinterpret_cast<int4*>(dst) = *reinterpret_cast<const int4*>(tile + t * kRowBytes + c);
             }
         }
-        finish_l2_task(mt);
+        if (last_pass) finish_l2_task(mt);
+        else named_barrier(kBarrierMathBase + mt.wg, 128);   // the next pass rewrites the staging rows
     }
 
     // ------------------------------------------------------------------------------------------
@@ -2438,9 +2454,9 @@ struct Kernel {
     // L2 epilogue (as narrow_l2_epilogue, for 64 token rows): staged in the expanded tile, which no
     // loop of these kernels reads, and the epilogue tile after it (64 rows of 256 columns: 33 KB)
     template <int kN>
-    __device__ void transposed_l2_epilogue(int m, int j, int num_rows, const MathThread& mt, const float (&acc)[(kN / 2) * kL2Tiles]) {
+    __device__ void transposed_l2_epilogue(int m, int j, int num_rows, const MathThread& mt, const float (&acc)[(kN / 2) * kL2Tiles], bool last_pass = true) {
         const NarrowThread nt(mt);
-        constexpr int kRowBytes = kL2BlockN * 2 + 16;
+        constexpr int kRowBytes = kL2PassN * 2 + 16;
         static_assert(not kEpilogueInExpanded and
                       BLOCK_M * kRowBytes <= mega_moe_expanded_b_bytes(kMmaType, BLOCK_M) + mega_moe_epilogue_smem_bytes(kMmaType, BLOCK_M),
                       "64 staging rows fit the expanded tile and the epilogue tile after it");
@@ -2460,10 +2476,11 @@ struct Kernel {
             const int info = __ldcg(mine<int>(lay.row_info) + static_cast<int64_t>(m) * BLOCK_M + t);
             if (info < 0) continue;
             const int src = info / (n_max * topk), token = (info % (n_max * topk)) / topk, k = info % topk;
-            auto* dst = peer<uint8_t>(src, lay.combine) + ((static_cast<int64_t>(k) * n_max + token) * lay.hidden + j * kL2BlockN) * 2 + off;
+            auto* dst = peer<uint8_t>(src, lay.combine) + ((static_cast<int64_t>(k) * n_max + token) * lay.hidden + j * kL2PassN) * 2 + off;
             *reinterpret_cast<int4*>(dst) = *reinterpret_cast<const int4*>(tile + t * kRowBytes + off);
         }
-        finish_l2_task(mt);
+        if (last_pass) finish_l2_task(mt);
+        else named_barrier(kBarrierMathBase + mt.wg, 128);   // the next pass rewrites the staging rows
     }
 
     // All of this rank's L2 rows are out: tell every source rank
@@ -2675,37 +2692,78 @@ struct Kernel {
                 if (kTaskLog and mt.tracer) log_task_id(mt, kTaskKindL2, rows, t);
                 if (kSplitN and rows <= kNarrowRows) {   // the producer applies the same rule (scheduler)
                     float narrow_acc[4 * kL2Tiles];
-                    if (not narrow_l2_mainloop(stage_iter, mt, narrow_acc) or task_stages_dead(stage_iter)) break;
-                    log_task(mt, kTaskStampLoopEnd);
-                    narrow_l2_epilogue(m, j, rows, mt, narrow_acc);
-                } else if constexpr (kTransposedWide and (kWideN16 or kWideN32)) {   // one pass over the task's B rows, as a narrow tile (scheduler)
+                    if constexpr (kL2Passes == 1) {
+                        if (not narrow_l2_mainloop(stage_iter, mt, narrow_acc) or task_stages_dead(stage_iter)) break;
+                        log_task(mt, kTaskStampLoopEnd);
+                        narrow_l2_epilogue(m, j, rows, mt, narrow_acc);
+                    } else {   // a 512-wide task: two 256-row passes (a loop: one copy of the K-loop)
+                        bool ok = true;
+                        for (int pass = 0; pass < kL2Passes and ok; ++pass) {
+                            ok = narrow_l2_mainloop(stage_iter, mt, narrow_acc) and not task_stages_dead(stage_iter);
+                            if (not ok) break;
+                            log_task(mt, kTaskStampLoopEnd);
+                            narrow_l2_epilogue(m, kL2Passes * j + pass, rows, mt, narrow_acc, pass == kL2Passes - 1);
+                        }
+                        if (not ok) break;
+                    }
+                } else if constexpr (kTransposedWide and (kWideN16 or kWideN32)) {   // passes over the task's B rows, as a narrow tile (scheduler)
                     const auto run = [&](auto n) {
                         constexpr int kN = decltype(n)::value;
                         float wide_acc[kN / 2 * kL2Tiles];
-                        if (not transposed_l2_mainloop<kN>(stage_iter, mt, wide_acc) or task_stages_dead(stage_iter)) return false;
-                        log_task(mt, kTaskStampLoopEnd);
-                        transposed_l2_epilogue<kN>(m, j, rows, mt, wide_acc);
+                        if constexpr (kL2Passes == 1) {
+                            if (not transposed_l2_mainloop<kN>(stage_iter, mt, wide_acc) or task_stages_dead(stage_iter)) return false;
+                            log_task(mt, kTaskStampLoopEnd);
+                            transposed_l2_epilogue<kN>(m, j, rows, mt, wide_acc);
+                        } else {
+                            for (int pass = 0; pass < kL2Passes; ++pass) {
+                                if (not transposed_l2_mainloop<kN>(stage_iter, mt, wide_acc) or task_stages_dead(stage_iter)) return false;
+                                log_task(mt, kTaskStampLoopEnd);
+                                transposed_l2_epilogue<kN>(m, kL2Passes * j + pass, rows, mt, wide_acc, pass == kL2Passes - 1);
+                            }
+                        }
                         return true;
                     };
                     if (not (rows <= 16 and kWideN16 ? run(std::integral_constant<int, 16>{})
                              : rows <= 32 and kWideN32 ? run(std::integral_constant<int, 32>{}) : run(std::integral_constant<int, 64>{}))) break;
                 } else if constexpr (kTransposedWide) {
                     float wide_acc[32 * kL2Tiles];
-                    if (not transposed_l2_mainloop<64>(stage_iter, mt, wide_acc) or task_stages_dead(stage_iter)) break;
-                    log_task(mt, kTaskStampLoopEnd);
-                    transposed_l2_epilogue<64>(m, j, rows, mt, wide_acc);
+                    if constexpr (kL2Passes == 1) {
+                        if (not transposed_l2_mainloop<64>(stage_iter, mt, wide_acc) or task_stages_dead(stage_iter)) break;
+                        log_task(mt, kTaskStampLoopEnd);
+                        transposed_l2_epilogue<64>(m, j, rows, mt, wide_acc);
+                    } else {
+                        bool ok = true;
+                        for (int pass = 0; pass < kL2Passes and ok; ++pass) {
+                            ok = transposed_l2_mainloop<64>(stage_iter, mt, wide_acc) and not task_stages_dead(stage_iter);
+                            if (not ok) break;
+                            log_task(mt, kTaskStampLoopEnd);
+                            transposed_l2_epilogue<64>(m, kL2Passes * j + pass, rows, mt, wide_acc, pass == kL2Passes - 1);
+                        }
+                        if (not ok) break;
+                    }
                 } else if constexpr (kL2Tiles == 1) {
                     if (not l2_mainloop(stage_iter, mt, acc) or task_stages_dead(stage_iter)) break;
                     log_task(mt, kTaskStampLoopEnd);
                     epilogue_tile_free();
                     l2_epilogue(m, j, rows, mt, acc);
-                } else {   // a 256-wide task of a wide M-block: its two 128-column tiles, as the producer streams them
+                } else if constexpr (kL2WidePasses == 2) {   // a 256-wide task of a wide M-block: its two 128-column tiles, as the producer streams them
                     if (not l2_mainloop(stage_iter, mt, acc) or task_stages_dead(stage_iter)) break;
                     log_task(mt, kTaskStampLoopEnd);
                     l2_epilogue<false>(m, 2 * j, rows, mt, acc);
                     if (not l2_mainloop(stage_iter, mt, acc) or task_stages_dead(stage_iter)) break;
                     log_task(mt, kTaskStampLoopEnd);
                     l2_epilogue(m, 2 * j + 1, rows, mt, acc);
+                } else {   // a 512-wide task of a wide M-block: its four 128-column tiles (a loop: one copy of the K-loop)
+                    bool ok = true;
+                    for (int pass = 0; pass < kL2WidePasses - 1 and ok; ++pass) {
+                        ok = l2_mainloop(stage_iter, mt, acc) and not task_stages_dead(stage_iter);
+                        if (not ok) break;
+                        log_task(mt, kTaskStampLoopEnd);
+                        l2_epilogue<false>(m, kL2WidePasses * j + pass, rows, mt, acc);
+                    }
+                    if (not ok or not l2_mainloop(stage_iter, mt, acc) or task_stages_dead(stage_iter)) break;
+                    log_task(mt, kTaskStampLoopEnd);
+                    l2_epilogue(m, kL2WidePasses * j + kL2WidePasses - 1, rows, mt, acc);
                 }
                 if (mt.tid == 0) trace(kTraceL2End);
             } else if (is_combine) {
