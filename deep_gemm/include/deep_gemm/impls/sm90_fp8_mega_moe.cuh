@@ -1770,8 +1770,13 @@ struct Kernel {
             auto* dst = peer<uint8_t>(src, lay.combine) + ((static_cast<int64_t>(k) * n_max + token) * lay.hidden + j * 128) * 2 + col;
             *reinterpret_cast<int4*>(dst) = *reinterpret_cast<const int4*>(tile + r * kMegaMoEEpilogueRowBytes + col);
         }
-        if constexpr (kLastTile) finish_l2_task(mt);
-        else named_barrier(kBarrierMathBase + mt.wg, 128);   // the next tile rewrites the staging rows
+        end_l2_pass(mt, kLastTile);
+    }
+    // The end of an L2 task's pass (a tile's epilogue): the last signals the task done; before the
+    // others the warpgroup meets, as the next pass rewrites the staging rows this one copied out
+    __device__ void end_l2_pass(const MathThread& mt, bool last) {
+        if (last) finish_l2_task(mt);
+        else named_barrier(kBarrierMathBase + mt.wg, 128);
     }
 
     // After a warpgroup's combine-row stores of an L2 task. Release (fence_peers: system scope when
@@ -2230,8 +2235,7 @@ struct Kernel {
                 *reinterpret_cast<int4*>(dst) = *reinterpret_cast<const int4*>(tile + t * kRowBytes + c);
             }
         }
-        if (last_pass) finish_l2_task(mt);
-        else named_barrier(kBarrierMathBase + mt.wg, 128);   // the next pass rewrites the staging rows
+        end_l2_pass(mt, last_pass);
     }
 
     // ------------------------------------------------------------------------------------------
@@ -2479,8 +2483,7 @@ struct Kernel {
             auto* dst = peer<uint8_t>(src, lay.combine) + ((static_cast<int64_t>(k) * n_max + token) * lay.hidden + j * kL2PassN) * 2 + off;
             *reinterpret_cast<int4*>(dst) = *reinterpret_cast<const int4*>(tile + t * kRowBytes + off);
         }
-        if (last_pass) finish_l2_task(mt);
-        else named_barrier(kBarrierMathBase + mt.wg, 128);   // the next pass rewrites the staging rows
+        end_l2_pass(mt, last_pass);
     }
 
     // All of this rank's L2 rows are out: tell every source rank
@@ -2698,7 +2701,7 @@ struct Kernel {
                         narrow_l2_epilogue(m, j, rows, mt, narrow_acc);
                     } else {   // a 512-wide task: two 256-row passes (a loop: one copy of the K-loop)
                         bool ok = true;
-                        for (int pass = 0; pass < kL2Passes and ok; ++pass) {
+                        for (int pass = 0; pass < kL2Passes; ++pass) {
                             ok = narrow_l2_mainloop(stage_iter, mt, narrow_acc) and not task_stages_dead(stage_iter);
                             if (not ok) break;
                             log_task(mt, kTaskStampLoopEnd);
@@ -2733,7 +2736,7 @@ struct Kernel {
                         transposed_l2_epilogue<64>(m, j, rows, mt, wide_acc);
                     } else {
                         bool ok = true;
-                        for (int pass = 0; pass < kL2Passes and ok; ++pass) {
+                        for (int pass = 0; pass < kL2Passes; ++pass) {
                             ok = transposed_l2_mainloop<64>(stage_iter, mt, wide_acc) and not task_stages_dead(stage_iter);
                             if (not ok) break;
                             log_task(mt, kTaskStampLoopEnd);
@@ -2755,7 +2758,7 @@ struct Kernel {
                     l2_epilogue(m, 2 * j + 1, rows, mt, acc);
                 } else {   // a 512-wide task of a wide M-block: its four 128-column tiles (a loop: one copy of the K-loop)
                     bool ok = true;
-                    for (int pass = 0; pass < kL2WidePasses - 1 and ok; ++pass) {
+                    for (int pass = 0; pass < kL2WidePasses - 1; ++pass) {
                         ok = l2_mainloop(stage_iter, mt, acc) and not task_stages_dead(stage_iter);
                         if (not ok) break;
                         log_task(mt, kTaskStampLoopEnd);
