@@ -17,7 +17,7 @@ import torch
 
 import deep_gemm
 from deep_gemm.mega.launch import _max_smem, kernel_variant
-from deep_gemm.testing import calc_diff
+from deep_gemm.testing import calc_diff, ep_check
 from deep_gemm.testing import moe_case as mc
 
 parser = argparse.ArgumentParser()
@@ -46,9 +46,9 @@ if args.bad_ids:
         m_in.topk_idx[3, 1], m_in.topk_idx[7, 2] = -1, -1
     inputs, expected = bad, masked
 ys = mc.run_ranks(w, inputs, bufs)
-# calc_diff tolerances of tests/test_mega_moe_gpu.py (its docstring says why); a NaN (an unwritten,
+# calc_diff tolerances of the GPU tests (tests/test_mega_moe_gpu.py says why); a NaN (an unwritten,
 # poisoned row) fails whatever the other ranks' figures are
-TOL = {'fp8xfp8': 3e-4, 'fp8xfp4': 3e-4, 'bf16xbf16': 2e-6}
+TOL = ep_check.TOLERANCE
 diffs = [calc_diff(y.float(), mc.reference(w, x)) for y, x in zip(ys, expected)]
 has_nan = any(bool(torch.isnan(y).any()) for y in ys)
 worst = float('nan') if has_nan else max(diffs)

@@ -11,14 +11,14 @@ import deep_gemm
 from deep_gemm import _C
 from deep_gemm.mega.api import mega_moe_function
 from deep_gemm.testing import calc_diff
-from deep_gemm.testing import moe_case as mc
+from deep_gemm.testing import ep_check, moe_case as mc
 
 from conftest import record_diff
 
 sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 pytestmark = pytest.mark.skipif(not sm90, reason='needs an SM90 (Hopper) GPU')
 
-TOL = {'fp8xfp8': 3e-4, 'fp8xfp4': 3e-4, 'bf16xbf16': 2e-6}
+TOL = ep_check.TOLERANCE   # tests/test_mega_moe_gpu.py derives them
 SMALL = (512, 256, 16, 4)
 
 

@@ -2695,6 +2695,10 @@ struct Kernel {
                 if (kTaskLog and mt.tracer) log_task_id(mt, kTaskKindL2, rows, t);
                 if (kSplitN and rows <= kNarrowRows) {   // the producer applies the same rule (scheduler)
                     float narrow_acc[4 * kL2Tiles];
+                    // One pass (128 / 256 wide) written out, not as the loop's one trip: the loop form
+                    // changes the SASS of every 128- and 256-wide decode kernel (checked on the CPU in
+                    // session 29), which the H200 has measured in this form; the same for the two
+                    // transposed branches below
                     if constexpr (kL2Passes == 1) {
                         if (not narrow_l2_mainloop(stage_iter, mt, narrow_acc) or task_stages_dead(stage_iter)) break;
                         log_task(mt, kTaskStampLoopEnd);
