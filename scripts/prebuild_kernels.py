@@ -46,8 +46,9 @@ def variants(formats=DEFAULT_FORMATS):
     """(mma_type, block_m, num_stages, fast_math, block_n_l2, wide_n_min, signals_thread) of every kernel: per format,
     BLOCK_M 64 (decode) and 128 (prefill) with their stage counts, fast and exact SwiGLU, at BLOCK_M 64
     the L2 task widths the heuristic picks (128 or 256 by shape and n, FP8 and BF16 also 512;
-    DG_MEGA_MOE_L2_BLOCK_N forces one; FP8 x FP4's 512-wide kernels, a tuning aid only, compile on
-    first use), and FP8 x FP4 decode with and without the N = 16 / 32 transposed tiles (wide_n_min 16 or
+    DG_MEGA_MOE_L2_BLOCK_N forces one; FP8 x FP4 512-wide only with N = 64 tiles and no signals thread,
+    what its one-wave rows launch: its other 512-wide kernels, a tuning aid, compile on first use), and
+    FP8 x FP4 decode with and without the N = 16 / 32 transposed tiles (wide_n_min 16 or
     64: by the expected tokens per expert; DG_MEGA_MOE_WIDE_N forces either), each of those also with the
     signals thread (by the expected tasks per SM; DG_MEGA_MOE_SIGNALS_THREAD forces either). The 128-wide,
     N = 64 kernels without the signals thread come first."""
@@ -63,6 +64,8 @@ def variants(formats=DEFAULT_FORMATS):
     fp4_decode = [k for k in keys if k[1] == 64 and k[0] == MMA_TYPES['fp8xfp4']]
     fp4_decode += [(*k[:5], 16, False) for k in fp4_decode]
     keys += fp4_decode[len(fp4_decode) // 2:] + [(*k[:6], True) for k in fp4_decode]
+    # FP8 x FP4 512-wide: N = 64 tiles, no signals thread (what its one-wave rows launch)
+    keys += [(t, m, s, fast, 512, 64, False) for t, m, s, fast, *_ in decode if t == MMA_TYPES['fp8xfp4']]
     return list(dict.fromkeys(keys))
 
 

@@ -256,6 +256,33 @@ def test_l2_task_width():
     assert (c['block_m'], c['block_n_l2']) == (64, 256)
 
 
+def test_l2_task_width_one_wave():
+    # Every format 512-wide where the L1 tasks fit the SMs and 512-wide L2 tasks would take one round
+    # but 256-wide ones two: deepseek-v3 at one token (8 experts: 128 L1 tasks, 224 L2 tasks of 256,
+    # 112 of 512 on 132 SMs)
+    ds = dict(num_ranks=1, num_experts=256, num_topk=8, hidden=7168, intermediate_hidden=2048)
+    for fmt in ('fp8xfp8', 'fp8xfp4', 'bf16xbf16'):
+        c = config(fmt, num_tokens=1, **ds)
+        assert (c['block_m'], c['block_n_l2'], c['signals_thread']) == (64, 512, False), (fmt, c)
+        # two tokens: 16 experts, 256 L1 tasks, two L1 rounds: 256-wide (FP8 x FP4 with its signals thread)
+        assert config(fmt, num_tokens=2, **ds)['block_n_l2'] == 256, fmt
+        # fewer SMs than L1 tasks: 256
+        assert config(fmt, num_tokens=1, num_sms=120, **ds)['block_n_l2'] == 256, fmt
+        # v4-flash at one token: 96 L1 tasks, but 96 256-wide L2 tasks already fit: 256
+        assert config(fmt, num_ranks=1, num_experts=256, num_topk=6, hidden=4096, num_tokens=1)['block_n_l2'] == 256
+        # ... and at two: 192 L1 tasks (v4-flash FP8 x FP4 n = 2 512-wide: +14 %, session 30)
+        assert config(fmt, num_ranks=1, num_experts=256, num_topk=6, hidden=4096, num_tokens=2)['block_n_l2'] == 256
+    # mid at one token on 48 SMs: 48 L1 tasks, 128 L2 tasks of 128 / 64 of 256 / 32 of 512: 512
+    mid = dict(num_ranks=1, num_experts=128, num_topk=8, hidden=2048, intermediate_hidden=768)
+    assert config('fp8xfp4', num_tokens=1, num_sms=48, **mid)['block_n_l2'] == 512
+    # ... on 64: the 64 L2 tasks of 256 fit one round: 256
+    assert config('fp8xfp4', num_tokens=1, num_sms=64, **mid)['block_n_l2'] == 256
+    # per rank: 8 ranks of deepseek-v3 at one token each receive 8 pairs each on average (8 of their 32
+    # experts): 512
+    assert config('fp8xfp4', num_ranks=8, num_experts=256, num_topk=8, hidden=7168, intermediate_hidden=2048,
+                  num_tokens=1)['block_n_l2'] == 512
+
+
 def test_l2_task_width_counts_one_ranks_tasks():
     # The count is per rank: 8 ranks, 128 experts, top-8, H 2048, one token each -> each rank
     # receives 8 pairs -> at most 8 of its 16 experts -> 8 x 16 = 128 tasks of 128 on 132 SMs

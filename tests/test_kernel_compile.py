@@ -25,7 +25,8 @@ FORMATS = ('fp8xfp8', 'fp8xfp4', 'bf16xbf16')
 
 
 def l2_widths(fmt, block_m):
-    # the L2 task widths the heuristic picks (FP8 x FP4's 512-wide kernels: _tuning_variants)
+    # the L2 task widths the heuristic picks with every tile and signals variant (FP8 x FP4's 512-wide
+    # kernels: _variants adds the one-wave rows' kernel, _tuning_variants the others)
     return (128,) if block_m != 64 else (128, 256) if fmt == 'fp8xfp4' else (128, 256, 512)
 
 
@@ -44,15 +45,18 @@ def _variants():
                             v = (fmt, c['block_m'], c['num_stages'], fast, block_n_l2, wide_n_min, signals)
                             if v not in seen:
                                 seen.append(v)
+    # FP8 x FP4 decode's 512-wide kernel that the heuristic launches (one-wave rows: N = 64 tiles, no
+    # signals thread), both maths
+    seen += [(*v[:4], 512, 64, False) for v in list(seen) if v[0] == 'fp8xfp4' and v[1] == 64 and v[4] == 256 and v[5:] == (64, False)]
     return seen
 
 
 # Kernels only a tuning aid launches (compiled on first use, not prebuilt): FP8 x FP4's 512-wide L2
-# tasks (DG_MEGA_MOE_L2_BLOCK_N=512), with and without N = 16 / 32 tiles and the signals thread
+# tasks (DG_MEGA_MOE_L2_BLOCK_N=512) with N = 16 / 32 tiles and the signals thread
 def _tuning_variants():
     out = []
     for v in _variants():
-        if v[0] == 'fp8xfp4' and v[1] == 64 and v[3] and v[4] == 256 and v[5:] in ((64, False), (16, True)):
+        if v[0] == 'fp8xfp4' and v[1] == 64 and v[3] and v[4] == 256 and v[5:] == (16, True):
             out.append((*v[:4], 512, *v[5:]))
     return out
 
@@ -117,6 +121,9 @@ def test_prebuild_covers_every_kernel_the_launcher_picks():
                     wide_ns.add(c['wide_n_min'])
                     signals.add(c['signals_thread'])
                     assert v['signals_thread'] == c['signals_thread']
+                    for fast in (True, False):   # the heuristic's own kernel
+                        picked.add((v['mma_type'], c['block_m'], c['num_stages'], fast, c['block_n_l2'], c['wide_n_min'],
+                                    c['signals_thread']))
                     fp4_decode = fmt == 'fp8xfp4' and v['block_m'] == 64
                     for width in l2_widths(fmt, v['block_m']):   # heuristic or override
                         for wide_n_min in (64, 16, 32) if fp4_decode else (64,):

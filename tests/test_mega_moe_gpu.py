@@ -156,9 +156,26 @@ def test_fp4_transposed_tiles_wide_n_32(experts_allowed):
     record_diff('fp8xfp4', float(re.search(r'worst calc_diff (\S+);', run.stdout).group(1)))
 
 
+# 512-wide L2 tasks the heuristic picks on its own at "one-wave" rows (the L1 tasks fit the CTAs, the
+# 256-wide L2 tasks would take two rounds and the 512-wide ones take one): mid at one token on 48 CTAs
+# (48 L1 tasks; 64 L2 tasks of 256, 32 of 512), also on two virtual ranks of 48 CTAs each, and
+# deepseek-v3 at one token on the whole GPU (128 L1 tasks; 224 / 112 L2 tasks). Every format, FP8 x FP4
+# with N = 64 tiles and no signals thread (the kernel those rows launch).
+@pytest.mark.parametrize('mma_type', FORMATS)
+@pytest.mark.parametrize('shape, ns, sms', [(MID, [1], 48), (MID, [1, 1], 48), (BIG, [1], None)])
+def test_one_wave_512_wide_l2_tasks(mma_type, shape, ns, sms):
+    hidden, inter, experts, topk = shape
+    grid = sms or _C.get_num_sms() // len(ns)
+    if grid < 128 and shape == BIG:
+        pytest.skip(f'{grid} SMs: deepseek-v3 at one token has more L1 tasks (128) than CTAs')
+    v = kernel_variant(mma_type, len(ns), experts, topk, hidden, inter, 1, grid, _max_smem(torch.device('cuda')))
+    assert (v[1], v[4], v[5], v[6]) == (64, 512, 64, False), f'{v}: the case no longer covers what it says'
+    check_case(mma_type, hidden, inter, experts, topk, ns, seed=47 + len(ns), sms=sms)
+
+
 # 512-wide L2 tasks forced (DG_MEGA_MOE_L2_BLOCK_N=512: the heuristic picks them for FP8 / BF16 from
-# 8 tokens per expert only, FP8 x FP4 never; read once per process: the test runs itself again in a
-# child with it set) on every decode case below: a narrow (or FP8 x FP4
+# 8 tokens per expert and at one-wave rows, FP8 x FP4 at one-wave rows only; read once per process:
+# the test runs itself again in a child with it set) on every decode case below: a narrow (or FP8 x FP4
 # transposed) M-block's task runs two 256-row passes, a wide one's four 128-row passes, each pass a
 # whole K loop, the task signalled done after its last. Narrow and wide M-blocks side by side, virtual
 # ranks with different n, few CTAs (many tasks each) and the whole grid, the signals thread; every

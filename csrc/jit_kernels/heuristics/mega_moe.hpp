@@ -203,17 +203,26 @@ inline MegaMoEConfig get_mega_moe_config(MmaType mma_type, int num_ranks, int nu
     // against 128-wide tasks). FP8 and BF16 at 8 or more expected tokens per expert (wide M-blocks
     // next to the narrow ones): 512-wide tasks, a wide M-block's four 128-row passes under one
     // ticket (mid n = 128 / 256 / 512 FP8: -1.5 to -3 / -2 / -1.6 % against 256-wide, BF16 n = 256
-    // -2 %; below 8 tokens per expert 512 loses: mid BF16 n = 8 +7 %). FP8 x FP4 stays at 256 (512
+    // -2 %; below 8 tokens per expert 512 loses: mid BF16 n = 8 +7 %). FP8 x FP4 stays at 256 there (512
     // within 1 % at n >= 32, +2.6 % at mid n = 8). docs/PERF.md, session 28. Per rank: its local
     // experts touched (at most E / R, at most the pairs it receives, n * topk on average) against
     // its own SMs.
+    // One wave: where the L1 tasks fit the SMs (L1 is then a single round) and the 256-wide L2 tasks
+    // would not but 512-wide ones would, every format takes 512: the L2 phase in one round of
+    // two-pass tasks instead of two rounds, the second on a fraction of the SMs (deepseek-v3 at one
+    // token: 128 L1 tasks, 224 L2 tasks of 256 or 112 of 512 on 132 SMs; FP8 -1.9 %, FP8 x FP4
+    // -1.3 %, session 29 / 30). Without the L1 condition it loses (v4-flash n = 2, mid n = 4: +4 to
+    // +14 %: L1 in two rounds already staggers the L2 tasks' starts).
     const int64_t pairs_per_rank = max_of<int64_t>(1, ceil_div<int64_t>(num_routed_pairs, num_ranks));
     const int64_t experts_touched = min_of<int64_t>(num_local_experts, pairs_per_rank);
     const int64_t l2_tasks_128 = experts_touched * expected_mblocks * (hidden / kMegaMoEBlockNL2);
     if (c.block_m == 64 and l2_tasks_128 > num_sms and hidden % (2 * kMegaMoEBlockNL2) == 0) {
         c.block_n_l2 = 2 * kMegaMoEBlockNL2;
         const bool wide_mblocks = pairs_per_rank >= kL2WideTokensPerExpert * experts_touched;
-        if (mma_type != MmaType::kFP8xFP4 and wide_mblocks and hidden % (4 * kMegaMoEBlockNL2) == 0)
+        const int64_t l1_tasks = experts_touched * l1_tasks_per_expert;
+        const bool one_wave = l1_tasks <= num_sms and l2_tasks_128 > 2 * static_cast<int64_t>(num_sms) and
+                              l2_tasks_128 <= 4 * static_cast<int64_t>(num_sms);
+        if (hidden % (4 * kMegaMoEBlockNL2) == 0 and (one_wave or (mma_type != MmaType::kFP8xFP4 and wide_mblocks)))
             c.block_n_l2 = 4 * kMegaMoEBlockNL2;
     }
 
