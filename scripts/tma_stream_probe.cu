@@ -118,7 +118,6 @@ int main(int argc, char** argv) {
     cudaFuncSetAttribute(stream, cudaFuncAttributeMaxDynamicSharedMemorySize, 232448);
     cudaEvent_t e0, e1;
     cudaEventCreate(&e0), cudaEventCreate(&e1);
-    std::printf("%4s %3s %-12s %5s %2s %9s %12s\n", "G", "S", "layout", "hold", "A", "GB/s", "us/stage/CTA");
     const char* names[] = {"row 1x256", "row 2x128", "blocked 2x128", "bulk 1x32K", "bulk 4x8K"};
     if (per_sm) {
         std::printf("%4s %3s %-12s %4s %9s %12s %9s\n", "G", "S", "layout", "hot", "GB/s", "us/stage/CTA", "GB/s/SM");
@@ -139,6 +138,7 @@ int main(int argc, char** argv) {
         }
         return 0;
     }
+    std::printf("%4s %3s %-12s %5s %2s %9s %12s\n", "G", "S", "layout", "hold", "A", "GB/s", "us/stage/CTA");
     for (int use_a = 1; use_a >= 0; --use_a)
     for (int hold : {0, 500, 1000})
     for (int g : {32, 48, 96, 132})
