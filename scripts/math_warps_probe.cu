@@ -30,7 +30,8 @@
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/math_probe scripts/math_warps_probe.cu
 //   /tmp/math_probe        (one CTA per SM on every SM; prints ns per K-block per CTA for W = 1, 2, 4)
 //   /tmp/math_probe pipelined   (mode 5 against mode 0 only, twice)
-// Results (H200): docs/PERF.md, "2026-12-02 (session 24)" and "(session 25)" (mode 5).
+//   /tmp/math_probe tasks [checks]   (task boundaries: one CTA x two math warpgroups against two CTAs x one per SM)
+// Results (H200): docs/PERF.md, "2026-12-02 (session 24)" and "(session 25)" (mode 5), "(session 31)" (tasks).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -393,6 +394,150 @@ __global__ void __launch_bounds__(128 * (W + 1), 1) probe(int num_kb, const uint
     if (v == 1234.5f) sink[threadIdx.x] = v;   // keeps the math live
 }
 
+// Task boundaries (`tasks` mode): does a CTA pair per SM, each with one math warpgroup doing all four
+// M tiles, hide the boundaries between decode tasks that one CTA with two warpgroups pays in full?
+// Streamed as above (each CTA its own slice), kS stages, and every task_kb K-blocks a task boundary:
+// the producer stops for prod_ns before the next task's first stage (the kernel's ticket and task
+// decode, ~1.4 us at mid n = 128, docs/PERF.md session 25) and the math, after the task's last
+// K-block, spends epi_ns in an "epilogue": kEpi 0 a wait (nanosleep polling: the kernel's epilogue
+// is mostly barriers, stores and fences), 1 four independent IMAD chains (an issuing epilogue).
+// W = 2 is the kernel today (one CTA per SM, 384 threads); W = 1 runs two CTAs per SM (256 threads
+// each, setmaxnreg 56 / 200, as a one-warpgroup kernel would have to). Each CTA reports its time;
+// the SM's rate is kCtas x num_kb K-blocks over it.
+__device__ __forceinline__ void pause_ns(uint64_t ns) {
+    const uint64_t end = now_ns() + ns;
+    while (now_ns() < end) __nanosleep(64);
+}
+__device__ __forceinline__ uint32_t busy_ns(uint64_t ns, uint32_t seed) {
+    uint32_t x = seed, y = seed + 1, z = seed + 2, w = seed + 3;
+    const uint64_t end = now_ns() + ns;
+    while (now_ns() < end) {
+        #pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            asm volatile("mad.lo.u32 %0, %0, 3, 1;" : "+r"(x));
+            asm volatile("mad.lo.u32 %0, %0, 3, 1;" : "+r"(y));
+            asm volatile("mad.lo.u32 %0, %0, 3, 1;" : "+r"(z));
+            asm volatile("mad.lo.u32 %0, %0, 3, 1;" : "+r"(w));
+        }
+    }
+    return x ^ y ^ z ^ w;
+}
+template <int W, int kS, int kEpi>
+__global__ void __launch_bounds__(128 * (W + 1), W == 1 ? 2 : 1) task_probe(int num_kb, int task_kb, int epi_ns, int prod_ns,
+                                                                            const uint8_t* src, unsigned long long* out_ns, float* sink) {
+    constexpr int T = 4 / W;
+    extern __shared__ __align__(1024) uint8_t smem[];
+    uint8_t* stages = smem;
+    uint8_t* table = stages + kS * kStageBytes;
+    auto* full = reinterpret_cast<uint64_t*>(table + kTableBytes);
+    auto* empty = full + kS;
+    for (int i = threadIdx.x; i < kTableBytes; i += blockDim.x) table[i] = static_cast<uint8_t>((i * 7) & 0x3f);
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < kS; ++s) mb_init(full + s, 1), mb_init(empty + s, 4 * W);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    const uint64_t t0 = now_ns();
+    if (threadIdx.x < 128) {
+#ifndef PROBE_NO_WGMMA
+        if constexpr (W == 1) asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n");
+#endif
+        if (threadIdx.x == 0) {
+            const uint8_t* a_src = src + size_t(gridDim.x) * num_kb * (kCodeBytes + kDeltaBytes);
+            for (int it = 0; it < num_kb; ++it) {
+                const int s = it % kS;
+                if (it > 0 and it % task_kb == 0) pause_ns(prod_ns);
+                mb_wait(empty + s, ((it / kS) & 1) ^ 1);
+                if (src == nullptr) {   // in shared memory: the math alone
+                    mb_arrive(full + s);
+                    continue;
+                }
+                mb_arrive_tx(full + s, kStageBytes);
+                const uint32_t st = sa(stages + s * kStageBytes);
+                const uint8_t* blk = src + (size_t(blockIdx.x) * num_kb + it) * (kCodeBytes + kDeltaBytes);
+                for (int h = 0; h < 2; ++h) {
+                    bulk_g2s(st + h * (kCodeBytes / 2), blk + h * (kCodeBytes / 2), kCodeBytes / 2, full + s);
+                    bulk_g2s(st + kCodeBytes + h * (kDeltaBytes / 2), blk + kCodeBytes + h * (kDeltaBytes / 2), kDeltaBytes / 2, full + s);
+                }
+                bulk_g2s(st + kCodeBytes + kDeltaBytes, a_src, kABytes, full + s);
+            }
+        }
+        return;
+    }
+#ifndef PROBE_NO_WGMMA
+    if constexpr (W == 1) asm volatile("setmaxnreg.inc.sync.aligned.u32 200;\n");
+#endif
+    const int wg = threadIdx.x / 128 - 1, tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+    const uint32_t tab = sa(table), hi = (tab & 0x80u) * 0x01010101u;
+    float acc[T][4] = {};
+    uint32_t frag[T][4][4];
+    uint32_t spin = 0;
+    for (int kb = 0; kb < num_kb; ++kb) {
+        const int s = kb % kS;
+        mb_wait(full + s, (kb / kS) & 1);
+        const uint32_t base = sa(stages + s * kStageBytes);
+        const uint64_t desc_tok = sw128_desc(base + kCodeBytes + kDeltaBytes);
+        Rows r[T];
+        load_rows<W, T>(base, wg, warp, lane, hi, r);
+        float part[T][4];
+        #pragma unroll
+        for (int t = 0; t < T; ++t) {
+            keep(part[t]);
+            expand_rows(r[t], frag[t], tab);
+            wg_fence();
+            #pragma unroll
+            for (int ks = 0; ks < 4; ++ks) wgmma_n8(frag[t][ks], desc_tok + ks * 2, part[t], ks > 0);
+        }
+        wg_commit();
+        wg_wait0();
+        #pragma unroll
+        for (int t = 0; t < T; ++t) keep(part[t]), keep(frag[t]);
+        if (lane == 0) mb_arrive(empty + s);
+        #pragma unroll
+        for (int t = 0; t < T; ++t)
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) acc[t][i] += part[t][i] * 0.5f;
+        if ((kb + 1) % task_kb == 0) {   // the task's epilogue, then both warpgroups meet (the kernel's task barrier)
+            if constexpr (kEpi == 0) pause_ns(epi_ns); else spin ^= busy_ns(epi_ns, kb);
+            named_sync(1, 128 * W);
+        }
+    }
+    named_sync(1, 128 * W);
+    if (tid == 0 and wg == 0) out_ns[blockIdx.x] = now_ns() - t0;
+    float v = static_cast<float>(spin & 1);
+    #pragma unroll
+    for (int t = 0; t < T; ++t)
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) v += acc[t][i];
+    if (v == 1234.5f) sink[threadIdx.x] = v;
+}
+// ns per K-block of the SM (kCtas = 2 for W = 1: two CTAs' K-blocks in the time of the median CTA)
+template <int W, int kS, int kEpi>
+void run_tasks(int sms, int num_kb, int task_kb, int epi_ns, int prod_ns, const uint8_t* src, unsigned long long* d_ns, float* d_sink,
+               bool one_per_sm = false) {
+    constexpr int kCtas = W == 1 ? 2 : 1;
+    // one_per_sm: shared memory padded so that no SM can hold two (W = 2 only)
+    const int smem = one_per_sm ? 200 * 1024 : kS * kStageBytes + kTableBytes + 2 * kS * 8 + 1024;
+    const int grid = kCtas * sms;
+    cudaFuncSetAttribute(task_probe<W, kS, kEpi>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    int per_sm = 0;
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, task_probe<W, kS, kEpi>, 128 * (W + 1), smem);
+    for (int rep = 0; rep < 2; ++rep)
+        task_probe<W, kS, kEpi><<<grid, 128 * (W + 1), smem>>>(num_kb, task_kb, epi_ns, prod_ns, src, d_ns, d_sink);
+    if (cudaError_t e = cudaDeviceSynchronize(); e != cudaSuccess) {
+        std::printf("tasks W=%d: %s\n", W, cudaGetErrorString(e));
+        std::exit(1);
+    }
+    std::vector<unsigned long long> ns(grid);
+    cudaMemcpy(ns.data(), d_ns, grid * sizeof(unsigned long long), cudaMemcpyDeviceToHost);
+    std::sort(ns.begin(), ns.end());
+    const double per_kb = ns[grid / 2] / double(kCtas * num_kb);
+    std::printf("%s%d CTA%s per SM (occupancy %d) x W = %d, %d stages, task %2d K-blocks, epilogue %4d ns (%s), producer pause %4d ns: "
+                "%6.1f ns per SM K-block (median CTA; max %.1f), %.0f GB/s\n",
+                src ? "streamed  " : "in smem   ", kCtas, kCtas > 1 ? "s" : "", per_sm, W, kS, task_kb, epi_ns, kEpi ? "issuing" : "waiting", prod_ns, per_kb,
+                ns[grid - 1] / double(kCtas * num_kb), double(grid) * num_kb * (kCodeBytes + kDeltaBytes) / (ns[grid / 2] * 1e-9) / 1e9);
+}
+
 template <int W, int kMode, int kProducerWork = 0, bool kBusyWarp = false, int kExtras = 0>
 void run(int sms, int num_kb, const uint8_t* src, unsigned long long* d_ns, float* d_sink) {
     const int smem = 200 * 1024;   // one CTA per SM
@@ -424,6 +569,7 @@ void run(int sms, int num_kb, const uint8_t* src, unsigned long long* d_ns, floa
 
 int main(int argc, char** argv) {
     const bool pipelined_only = argc > 1 and std::string(argv[1]) == "pipelined";
+    const bool tasks_only = argc > 1 and std::string(argv[1]) == "tasks";
     int sms = 0;
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
     const int num_kb = 20000;
@@ -438,6 +584,37 @@ int main(int argc, char** argv) {
     if (cudaMalloc(&src, src_bytes) != cudaSuccess) { std::printf("cudaMalloc failed\n"); return 1; }
     cudaMemset(src, 0x13, src_bytes);
     std::printf("%d CTAs (one per SM), %d K-blocks each in shared memory, %d streamed\n", sms, num_kb, kb_stream);
+    if (tasks_only) {   // task boundaries: one CTA x two warpgroups against two CTAs x one
+        const int kbt = kb_stream / 2 / 96 * 96;   // two CTAs per SM share the region; whole tasks of 16, 32 and 6
+        if (argc > 2 and std::string(argv[2]) == "checks") {   // the math alone, and W = 2 held to one CTA per SM
+            for (int rep = 0; rep < 2; ++rep) {
+                run_tasks<2, 6, 0>(sms, 19200, 96, 0, 0, nullptr, d_ns, d_sink);
+                run_tasks<1, 3, 0>(sms, 19200, 96, 0, 0, nullptr, d_ns, d_sink);
+                run_tasks<2, 6, 0>(sms, 19200, 16, 1600, 1400, nullptr, d_ns, d_sink);
+                run_tasks<1, 3, 0>(sms, 19200, 16, 1600, 1400, nullptr, d_ns, d_sink);
+                run_tasks<2, 6, 0>(sms, kbt, 96, 0, 0, src, d_ns, d_sink, true);
+                run_tasks<2, 6, 0>(sms, kbt, 16, 1600, 1400, src, d_ns, d_sink, true);
+                run_tasks<2, 6, 0>(sms, kbt, 6, 1000, 1400, src, d_ns, d_sink, true);
+                run_tasks<1, 3, 0>(sms, kbt, 16, 3200, 2800, src, d_ns, d_sink);
+                run_tasks<1, 3, 0>(sms, kbt, 6, 2000, 2800, src, d_ns, d_sink);
+            }
+            return 0;
+        }
+        for (int rep = 0; rep < 2; ++rep) {
+            run_tasks<2, 6, 0>(sms, kbt, 96, 0, 0, src, d_ns, d_sink);
+            run_tasks<1, 3, 0>(sms, kbt, 96, 0, 0, src, d_ns, d_sink);
+            run_tasks<1, 6, 0>(sms, kbt, 96, 0, 0, src, d_ns, d_sink);
+            for (int task_kb : {16, 6, 32}) {
+                const int epi = task_kb == 6 ? 1000 : task_kb == 16 ? 1600 : 900;
+                run_tasks<2, 6, 0>(sms, kbt, task_kb, epi, 1400, src, d_ns, d_sink);
+                run_tasks<1, 3, 0>(sms, kbt, task_kb, epi, 1400, src, d_ns, d_sink);
+                run_tasks<1, 6, 0>(sms, kbt, task_kb, epi, 1400, src, d_ns, d_sink);
+                run_tasks<2, 6, 1>(sms, kbt, task_kb, epi, 1400, src, d_ns, d_sink);
+                run_tasks<1, 3, 1>(sms, kbt, task_kb, epi, 1400, src, d_ns, d_sink);
+            }
+        }
+        return 0;
+    }
     if (pipelined_only) {   // mode 5 against mode 0, in shared memory and streamed (K-blocks: multiples of 4)
         const int kb4 = kb_stream / 4 * 4;
         for (int rep = 0; rep < 2; ++rep) {
