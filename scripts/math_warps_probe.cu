@@ -422,7 +422,7 @@ __device__ __forceinline__ uint32_t busy_ns(uint64_t ns, uint32_t seed) {
     }
     return x ^ y ^ z ^ w;
 }
-template <int W, int kS, int kEpi>
+template <int W, int kS, int kEpi, int kExtras = 0>
 __global__ void __launch_bounds__(128 * (W + 1), W == 1 ? 2 : 1) task_probe(int num_kb, int task_kb, int epi_ns, int prod_ns,
                                                                             const uint8_t* src, unsigned long long* out_ns, float* sink) {
     constexpr int T = 4 / W;
@@ -444,9 +444,10 @@ __global__ void __launch_bounds__(128 * (W + 1), W == 1 ? 2 : 1) task_probe(int 
 #endif
         if (threadIdx.x == 0) {
             const uint8_t* a_src = src + size_t(gridDim.x) * num_kb * (kCodeBytes + kDeltaBytes);
-            for (int it = 0; it < num_kb; ++it) {
+            // task position by a counter, not `it % task_kb` (a run-time division per stage)
+            for (int it = 0, in_task = 0; it < num_kb; ++it, ++in_task) {
                 const int s = it % kS;
-                if (it > 0 and it % task_kb == 0) pause_ns(prod_ns);
+                if (in_task == task_kb) in_task = 0, pause_ns(prod_ns);
                 mb_wait(empty + s, ((it / kS) & 1) ^ 1);
                 if (src == nullptr) {   // in shared memory: the math alone
                     mb_arrive(full + s);
@@ -472,8 +473,11 @@ __global__ void __launch_bounds__(128 * (W + 1), W == 1 ? 2 : 1) task_probe(int 
     float acc[T][4] = {};
     uint32_t frag[T][4][4];
     uint32_t spin = 0;
-    for (int kb = 0; kb < num_kb; ++kb) {
-        const int s = kb % kS;
+    float tok_w[2] = {1.0f, 1.0f};
+    for (int kb = 0, in_task = 0; kb < num_kb; ++kb) {
+        int kbv = kb;
+        if constexpr ((kExtras & 2) != 0) asm volatile("mov.b32 %0, %0;" : "+r"(kbv));
+        const int s = kbv % kS;
         mb_wait(full + s, (kb / kS) & 1);
         const uint32_t base = sa(stages + s * kStageBytes);
         const uint64_t desc_tok = sw128_desc(base + kCodeBytes + kDeltaBytes);
@@ -489,6 +493,21 @@ __global__ void __launch_bounds__(128 * (W + 1), W == 1 ? 2 : 1) task_probe(int 
             for (int ks = 0; ks < 4; ++ks) wgmma_n8(frag[t][ks], desc_tok + ks * 2, part[t], ks > 0);
         }
         wg_commit();
+        if constexpr ((kExtras & 8) != 0) {
+            if (in_task == 0) tok_w[0] += __ldcg(sink + 64 + lane), tok_w[1] += __ldcg(sink + 96 + lane);
+        }
+        float sc[T][2];
+        #pragma unroll
+        for (int t = 0; t < T; ++t) sc[t][0] = sc[t][1] = 0.5f;
+        if constexpr ((kExtras & 1) != 0) {   // the promotion's scales from the stage (timing only)
+            const uint32_t sf = base + kCodeBytes + kDeltaBytes;
+            const float sa0 = __uint_as_float(lds32(sf + (lane % 4) * 8)), sa1 = __uint_as_float(lds32(sf + (lane % 4) * 8 + 4));
+            #pragma unroll
+            for (int t = 0; t < T; ++t) {
+                const float sw = __uint_as_float(lds32(sf + 512 + t * 4));
+                sc[t][0] = sa0 * sw, sc[t][1] = sa1 * sw;
+            }
+        }
         wg_wait0();
         #pragma unroll
         for (int t = 0; t < T; ++t) keep(part[t]), keep(frag[t]);
@@ -496,15 +515,16 @@ __global__ void __launch_bounds__(128 * (W + 1), W == 1 ? 2 : 1) task_probe(int 
         #pragma unroll
         for (int t = 0; t < T; ++t)
             #pragma unroll
-            for (int i = 0; i < 4; ++i) acc[t][i] += part[t][i] * 0.5f;
-        if ((kb + 1) % task_kb == 0) {   // the task's epilogue, then both warpgroups meet (the kernel's task barrier)
+            for (int i = 0; i < 4; ++i) acc[t][i] += part[t][i] * sc[t][i & 1];
+        if (++in_task == task_kb) {   // the task's epilogue, then both warpgroups meet (the kernel's task barrier)
+            in_task = 0;
             if constexpr (kEpi == 0) pause_ns(epi_ns); else spin ^= busy_ns(epi_ns, kb);
             named_sync(1, 128 * W);
         }
     }
     named_sync(1, 128 * W);
     if (tid == 0 and wg == 0) out_ns[blockIdx.x] = now_ns() - t0;
-    float v = static_cast<float>(spin & 1);
+    float v = static_cast<float>(spin & 1) + tok_w[0] + tok_w[1];
     #pragma unroll
     for (int t = 0; t < T; ++t)
         #pragma unroll
@@ -512,18 +532,18 @@ __global__ void __launch_bounds__(128 * (W + 1), W == 1 ? 2 : 1) task_probe(int 
     if (v == 1234.5f) sink[threadIdx.x] = v;
 }
 // ns per K-block of the SM (kCtas = 2 for W = 1: two CTAs' K-blocks in the time of the median CTA)
-template <int W, int kS, int kEpi>
+template <int W, int kS, int kEpi, int kExtras = 0>
 void run_tasks(int sms, int num_kb, int task_kb, int epi_ns, int prod_ns, const uint8_t* src, unsigned long long* d_ns, float* d_sink,
                bool one_per_sm = false) {
     constexpr int kCtas = W == 1 ? 2 : 1;
     // one_per_sm: shared memory padded so that no SM can hold two (W = 2 only)
     const int smem = one_per_sm ? 200 * 1024 : kS * kStageBytes + kTableBytes + 2 * kS * 8 + 1024;
     const int grid = kCtas * sms;
-    cudaFuncSetAttribute(task_probe<W, kS, kEpi>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    cudaFuncSetAttribute(task_probe<W, kS, kEpi, kExtras>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     int per_sm = 0;
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, task_probe<W, kS, kEpi>, 128 * (W + 1), smem);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, task_probe<W, kS, kEpi, kExtras>, 128 * (W + 1), smem);
     for (int rep = 0; rep < 2; ++rep)
-        task_probe<W, kS, kEpi><<<grid, 128 * (W + 1), smem>>>(num_kb, task_kb, epi_ns, prod_ns, src, d_ns, d_sink);
+        task_probe<W, kS, kEpi, kExtras><<<grid, 128 * (W + 1), smem>>>(num_kb, task_kb, epi_ns, prod_ns, src, d_ns, d_sink);
     if (cudaError_t e = cudaDeviceSynchronize(); e != cudaSuccess) {
         std::printf("tasks W=%d: %s\n", W, cudaGetErrorString(e));
         std::exit(1);
@@ -533,9 +553,10 @@ void run_tasks(int sms, int num_kb, int task_kb, int epi_ns, int prod_ns, const 
     std::sort(ns.begin(), ns.end());
     const double per_kb = ns[grid / 2] / double(kCtas * num_kb);
     std::printf("%s%d CTA%s per SM (occupancy %d) x W = %d, %d stages, task %2d K-blocks, epilogue %4d ns (%s), producer pause %4d ns: "
-                "%6.1f ns per SM K-block (median CTA; max %.1f), %.0f GB/s\n",
+                "%6.1f ns per SM K-block (median CTA; max %.1f), %.0f GB/s%s\n",
                 src ? "streamed  " : "in smem   ", kCtas, kCtas > 1 ? "s" : "", per_sm, W, kS, task_kb, epi_ns, kEpi ? "issuing" : "waiting", prod_ns, per_kb,
-                ns[grid - 1] / double(kCtas * num_kb), double(grid) * num_kb * (kCodeBytes + kDeltaBytes) / (ns[grid / 2] * 1e-9) / 1e9);
+                ns[grid - 1] / double(kCtas * num_kb), double(grid) * num_kb * (kCodeBytes + kDeltaBytes) / (ns[grid / 2] * 1e-9) / 1e9,
+                kExtras ? ", with the kernel's extras 1 | 2 | 8" : "");
 }
 
 template <int W, int kMode, int kProducerWork = 0, bool kBusyWarp = false, int kExtras = 0>
@@ -597,6 +618,15 @@ int main(int argc, char** argv) {
                 run_tasks<2, 6, 0>(sms, kbt, 6, 1000, 1400, src, d_ns, d_sink, true);
                 run_tasks<1, 3, 0>(sms, kbt, 16, 3200, 2800, src, d_ns, d_sink);
                 run_tasks<1, 3, 0>(sms, kbt, 6, 2000, 2800, src, d_ns, d_sink);
+                // with what the kernel's K-block has beyond the model (scales, opaque stage, top-k loads)
+                run_tasks<2, 6, 0, 11>(sms, 19200, 96, 0, 0, nullptr, d_ns, d_sink);
+                run_tasks<1, 3, 0, 11>(sms, 19200, 96, 0, 0, nullptr, d_ns, d_sink);
+                run_tasks<2, 6, 0, 11>(sms, kbt, 96, 0, 0, src, d_ns, d_sink, true);
+                run_tasks<1, 3, 0, 11>(sms, kbt, 96, 0, 0, src, d_ns, d_sink);
+                run_tasks<2, 6, 0, 11>(sms, kbt, 16, 1600, 1400, src, d_ns, d_sink, true);
+                run_tasks<1, 3, 0, 11>(sms, kbt, 16, 1600, 1400, src, d_ns, d_sink);
+                run_tasks<2, 6, 0, 11>(sms, kbt, 6, 1000, 1400, src, d_ns, d_sink, true);
+                run_tasks<1, 3, 0, 11>(sms, kbt, 6, 1000, 1400, src, d_ns, d_sink);
             }
             return 0;
         }
