@@ -30,7 +30,7 @@
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/math_probe scripts/math_warps_probe.cu
 //   /tmp/math_probe        (one CTA per SM on every SM; prints ns per K-block per CTA for W = 1, 2, 4)
 //   /tmp/math_probe pipelined   (mode 5 against mode 0 only, twice)
-//   /tmp/math_probe tasks [checks]   (task boundaries: one CTA x two math warpgroups against two CTAs x one per SM)
+//   /tmp/math_probe tasks [checks | stages]   (task boundaries: one CTA x two math warpgroups against two CTAs x one per SM)
 // Results (H200): docs/PERF.md, "2026-12-02 (session 24)" and "(session 25)" (mode 5), "(session 31)" (tasks).
 #include <cuda_runtime.h>
 
@@ -607,6 +607,16 @@ int main(int argc, char** argv) {
     std::printf("%d CTAs (one per SM), %d K-blocks each in shared memory, %d streamed\n", sms, num_kb, kb_stream);
     if (tasks_only) {   // task boundaries: one CTA x two warpgroups against two CTAs x one
         const int kbt = kb_stream / 2 / 96 * 96;   // two CTAs per SM share the region; whole tasks of 16, 32 and 6
+        if (argc > 2 and std::string(argv[2]) == "stages") {   // the pair with 2 stages per CTA (what half of today's decode budget leaves)
+            for (int rep = 0; rep < 2; ++rep)
+                for (int task_kb : {96, 32, 16, 6}) {
+                    const int epi = task_kb == 96 ? 0 : task_kb == 6 ? 1000 : task_kb == 16 ? 1600 : 900, pause = task_kb == 96 ? 0 : 1400;
+                    run_tasks<2, 6, 0, 11>(sms, kbt, task_kb, epi, pause, src, d_ns, d_sink, true);
+                    run_tasks<1, 2, 0, 11>(sms, kbt, task_kb, epi, pause, src, d_ns, d_sink);
+                    run_tasks<1, 3, 0, 11>(sms, kbt, task_kb, epi, pause, src, d_ns, d_sink);
+                }
+            return 0;
+        }
         if (argc > 2 and std::string(argv[2]) == "checks") {   // the math alone, and W = 2 held to one CTA per SM
             for (int rep = 0; rep < 2; ++rep) {
                 run_tasks<2, 6, 0>(sms, 19200, 96, 0, 0, nullptr, d_ns, d_sink);
