@@ -178,6 +178,40 @@ __device__ __forceinline__ void expand_rows(const Rows& r, uint32_t (&fr)[4][4],
         }
 }
 
+// The producer's copies of stage `st` (the kernel's: two 8 KB code blocks, two 512-byte delta
+// blocks, the 1 KB A tile), completing on `full`; blk: this CTA's K-block in src
+__device__ __forceinline__ void copy_stage(uint64_t* full, uint32_t st, const uint8_t* blk, const uint8_t* a_src) {
+    mb_arrive_tx(full, kStageBytes);
+    for (int h = 0; h < 2; ++h) {
+        bulk_g2s(st + h * (kCodeBytes / 2), blk + h * (kCodeBytes / 2), kCodeBytes / 2, full);
+        bulk_g2s(st + kCodeBytes + h * (kDeltaBytes / 2), blk + kCodeBytes + h * (kDeltaBytes / 2), kDeltaBytes / 2, full);
+    }
+    bulk_g2s(st + kCodeBytes + kDeltaBytes, a_src, kABytes, full);
+}
+// Per M tile: the fragments expanded from its rows, then its four m64n8k32 RS wgmmas into part[t]
+template <int T>
+__device__ __forceinline__ void expand_and_issue(const Rows (&r)[T], uint32_t (&frag)[T][4][4], float (&part)[T][4], uint64_t desc_tok, uint32_t tab) {
+    #pragma unroll
+    for (int t = 0; t < T; ++t) {
+        keep(part[t]);
+        expand_rows(r[t], frag[t], tab);
+        wg_fence();
+        #pragma unroll
+        for (int ks = 0; ks < 4; ++ks) wgmma_n8(frag[t][ks], desc_tok + ks * 2, part[t], ks > 0);
+    }
+}
+// Extras bit 1: the promotion's scales, read from the stage (any floats of it: timing only)
+template <int T>
+__device__ __forceinline__ void promotion_scales(uint32_t base, int lane, float (&sc)[T][2]) {
+    const uint32_t sf = base + kCodeBytes + kDeltaBytes;
+    const float sa0 = __uint_as_float(lds32(sf + (lane % 4) * 8)), sa1 = __uint_as_float(lds32(sf + (lane % 4) * 8 + 4));
+    #pragma unroll
+    for (int t = 0; t < T; ++t) {
+        const float sw = __uint_as_float(lds32(sf + 512 + t * 4));
+        sc[t][0] = sa0 * sw, sc[t][1] = sa1 * sw;
+    }
+}
+
 // src: null, or [CTA][K-block][16 KB codes | 1 KB deltas] and 1 KB of A at its end (shared)
 template <int W, int kMode, int kProducerWork = 0, bool kBusyWarp = false, int kExtras = 0>
 __global__ void __launch_bounds__(128 * (W + 1), 1) probe(int num_kb, const uint8_t* src, unsigned long long* out_ns, float* sink,
@@ -212,14 +246,7 @@ __global__ void __launch_bounds__(128 * (W + 1), 1) probe(int num_kb, const uint
                     mb_arrive(full + s);
                     continue;
                 }
-                mb_arrive_tx(full + s, kStageBytes);
-                const uint32_t st = sa(stages + s * kStageBytes);
-                const uint8_t* blk = src + (size_t(blockIdx.x) * num_kb + it) * (kCodeBytes + kDeltaBytes);
-                for (int h = 0; h < 2; ++h) {
-                    bulk_g2s(st + h * (kCodeBytes / 2), blk + h * (kCodeBytes / 2), kCodeBytes / 2, full + s);
-                    bulk_g2s(st + kCodeBytes + h * (kDeltaBytes / 2), blk + kCodeBytes + h * (kDeltaBytes / 2), kDeltaBytes / 2, full + s);
-                }
-                bulk_g2s(st + kCodeBytes + kDeltaBytes, a_src, kABytes, full + s);
+                copy_stage(full + s, sa(stages + s * kStageBytes), src + (size_t(blockIdx.x) * num_kb + it) * (kCodeBytes + kDeltaBytes), a_src);
                 // the kernel's producer runs ~100 dependent instructions a stage on its hot path
                 // (docs/PERF.md, session 20): as many dependent IMADs, on the same scheduler as
                 // two math warps
@@ -281,14 +308,7 @@ __global__ void __launch_bounds__(128 * (W + 1), 1) probe(int num_kb, const uint
             const uint64_t desc_tok = sw128_desc(base + kCodeBytes + kDeltaBytes);
             Rows r[T];
             load_rows<W, T>(base, wg, warp, lane, hi, r);
-            #pragma unroll
-            for (int t = 0; t < T; ++t) {
-                keep(part[t]);
-                expand_rows(r[t], fr[t], tab);
-                wg_fence();
-                #pragma unroll
-                for (int ks = 0; ks < 4; ++ks) wgmma_n8(fr[t][ks], desc_tok + ks * 2, part[t], ks > 0);
-            }
+            expand_and_issue<T>(r, fr, part, desc_tok, tab);
             wg_commit();
         };
         const auto retire = [&](int kb, float (&part)[T][4], uint32_t (&fr)[T][4][4], bool last) {
@@ -359,15 +379,7 @@ __global__ void __launch_bounds__(128 * (W + 1), 1) probe(int num_kb, const uint
         float sc[T][2];
         #pragma unroll
         for (int t = 0; t < T; ++t) sc[t][0] = sc[t][1] = 0.5f;
-        if constexpr ((kExtras & 1) != 0) {
-            const uint32_t sf = base + kCodeBytes + kDeltaBytes;   // any floats of the stage: timing only
-            const float sa0 = __uint_as_float(lds32(sf + (lane % 4) * 8)), sa1 = __uint_as_float(lds32(sf + (lane % 4) * 8 + 4));
-            #pragma unroll
-            for (int t = 0; t < T; ++t) {
-                const float sw = __uint_as_float(lds32(sf + 512 + t * 4));
-                sc[t][0] = sa0 * sw, sc[t][1] = sa1 * sw;
-            }
-        }
+        if constexpr ((kExtras & 1) != 0) promotion_scales<T>(base, lane, sc);
         wg_wait0();
         #pragma unroll
         for (int t = 0; t < T; ++t) keep(part[t]), keep(frag[t]);
@@ -453,14 +465,7 @@ __global__ void __launch_bounds__(128 * (W + 1), W == 1 ? 2 : 1) task_probe(int 
                     mb_arrive(full + s);
                     continue;
                 }
-                mb_arrive_tx(full + s, kStageBytes);
-                const uint32_t st = sa(stages + s * kStageBytes);
-                const uint8_t* blk = src + (size_t(blockIdx.x) * num_kb + it) * (kCodeBytes + kDeltaBytes);
-                for (int h = 0; h < 2; ++h) {
-                    bulk_g2s(st + h * (kCodeBytes / 2), blk + h * (kCodeBytes / 2), kCodeBytes / 2, full + s);
-                    bulk_g2s(st + kCodeBytes + h * (kDeltaBytes / 2), blk + kCodeBytes + h * (kDeltaBytes / 2), kDeltaBytes / 2, full + s);
-                }
-                bulk_g2s(st + kCodeBytes + kDeltaBytes, a_src, kABytes, full + s);
+                copy_stage(full + s, sa(stages + s * kStageBytes), src + (size_t(blockIdx.x) * num_kb + it) * (kCodeBytes + kDeltaBytes), a_src);
             }
         }
         return;
@@ -484,14 +489,7 @@ __global__ void __launch_bounds__(128 * (W + 1), W == 1 ? 2 : 1) task_probe(int 
         Rows r[T];
         load_rows<W, T>(base, wg, warp, lane, hi, r);
         float part[T][4];
-        #pragma unroll
-        for (int t = 0; t < T; ++t) {
-            keep(part[t]);
-            expand_rows(r[t], frag[t], tab);
-            wg_fence();
-            #pragma unroll
-            for (int ks = 0; ks < 4; ++ks) wgmma_n8(frag[t][ks], desc_tok + ks * 2, part[t], ks > 0);
-        }
+        expand_and_issue<T>(r, frag, part, desc_tok, tab);
         wg_commit();
         if constexpr ((kExtras & 8) != 0) {
             if (in_task == 0) tok_w[0] += __ldcg(sink + 64 + lane), tok_w[1] += __ldcg(sink + 96 + lane);
@@ -499,15 +497,7 @@ __global__ void __launch_bounds__(128 * (W + 1), W == 1 ? 2 : 1) task_probe(int 
         float sc[T][2];
         #pragma unroll
         for (int t = 0; t < T; ++t) sc[t][0] = sc[t][1] = 0.5f;
-        if constexpr ((kExtras & 1) != 0) {   // the promotion's scales from the stage (timing only)
-            const uint32_t sf = base + kCodeBytes + kDeltaBytes;
-            const float sa0 = __uint_as_float(lds32(sf + (lane % 4) * 8)), sa1 = __uint_as_float(lds32(sf + (lane % 4) * 8 + 4));
-            #pragma unroll
-            for (int t = 0; t < T; ++t) {
-                const float sw = __uint_as_float(lds32(sf + 512 + t * 4));
-                sc[t][0] = sa0 * sw, sc[t][1] = sa1 * sw;
-            }
-        }
+        if constexpr ((kExtras & 1) != 0) promotion_scales<T>(base, lane, sc);
         wg_wait0();
         #pragma unroll
         for (int t = 0; t < T; ++t) keep(part[t]), keep(frag[t]);
