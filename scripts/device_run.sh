@@ -37,6 +37,22 @@ if [ "${DG_RUN_SANITIZER:-0}" = "1" ]; then
         echo "racecheck [$args]: exit $rc $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY|calc_diff' /tmp/san.log | tr '\n' ' ')"
         [ $rc = 0 ] || grep -m 12 -E '=========' /tmp/san.log
     done
+    # The CTA pair (FP8 x FP4 decode, 2 stages: a stage is refilled soon after its release), forced:
+    # memcheck with M-blocks of 64 and 36 tokens (8 and 5 token passes); racecheck without
+    # --error-exitcode, so that the exit is one_launch's own: the result checked under the tool's
+    # timing (session 33: scales read after a stage's release gave calc_diff 6.7e-03 there, right
+    # natively), the hazards listed as above
+    DG_MEGA_MOE_CTA_PAIR=1 timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/one_launch.py \
+        --format fp8xfp4 --tokens 100 --experts-allowed 2 > /tmp/san.log 2>&1
+    rc=$?
+    { echo "=== memcheck pair [--tokens 100 --experts-allowed 2]: exit $rc"; cat /tmp/san.log; } >> "$OUT/sanitizer.log"
+    echo "memcheck pair: exit $rc $(grep -E 'ERROR SUMMARY|calc_diff' /tmp/san.log | tr '\n' ' ')"
+    for args in "--tokens 8" "--tokens 20"; do
+        DG_MEGA_MOE_CTA_PAIR=1 timeout 300 compute-sanitizer --tool racecheck python3 scripts/one_launch.py --sms 2 --format fp8xfp4 $args > /tmp/san.log 2>&1
+        rc=$?
+        { echo "=== racecheck pair [$args]: exit $rc"; cat /tmp/san.log; } >> "$OUT/sanitizer.log"
+        echo "racecheck pair [$args]: exit $rc (one_launch's) $(grep -E 'RACECHECK SUMMARY|calc_diff' /tmp/san.log | tr '\n' ' ')"
+    done
     # The tool's own model of two correct patterns the kernel uses (scripts/racecheck_probe.cu)
     if nvcc -arch=sm_90a -o /tmp/racecheck_probe scripts/racecheck_probe.cu > /dev/null 2>&1; then
         for probe in exchange bulk cpasync; do

@@ -5,7 +5,7 @@ import sys
 
 import torch
 
-from deep_gemm.mega.launch import kernel_variant, _max_smem
+from deep_gemm.mega.launch import kernel_variant, _max_smem, ranks_share_gpu
 from deep_gemm.testing import moe_case as mc
 from deep_gemm.testing.reference import calc_diff
 
@@ -40,7 +40,7 @@ def main():
             except Exception as ex:  # noqa: BLE001
                 st = f'{type(ex).__name__}: {str(ex).splitlines()[0][:200]}'
             var = kernel_variant(fmt, len(ns), e, k, h, i, ns[r], buf.num_sms or torch.cuda.get_device_properties(0).multi_processor_count,
-                                 _max_smem(buf.device))
+                                 _max_smem(buf.device), shares_gpu=ranks_share_gpu(buf))
             nan_rows = int(torch.isnan(y.float()).any(1).sum()) if ns[r] else 0
             d = calc_diff(y.float(), mc.reference(w, inp)) if ns[r] and nan_rows < ns[r] else float('nan')
             print(f'{fmt} {ns} {routing} rank {r} n={ns[r]} variant {var}: status {st}; NaN rows {nan_rows}/{ns[r]}; '

@@ -16,7 +16,7 @@ import argparse
 import torch
 
 import deep_gemm
-from deep_gemm.mega.launch import _max_smem, kernel_variant
+from deep_gemm.mega.launch import _max_smem, kernel_variant, ranks_share_gpu
 from deep_gemm.testing import calc_diff, ep_check
 from deep_gemm.testing import moe_case as mc
 
@@ -58,8 +58,9 @@ try:
     status = 'no error recorded'
 except deep_gemm.MegaMoEError as err:
     status = f'recorded: {err}'
-# the kernel rank 0 launched: (mma_type, block_m, num_stages, fast_math, block_n_l2, wide_n_min, signals_thread)
-variant = kernel_variant(fmt, args.ranks, e, k, h, i, ns[0], args.sms, _max_smem(torch.device('cuda')))
+# the kernel rank 0 launched: (mma_type, block_m, num_stages, fast_math, block_n_l2, wide_n_min, signals_thread, cta_pair)
+variant = kernel_variant(fmt, args.ranks, e, k, h, i, ns[0], args.sms, _max_smem(torch.device('cuda')),
+                         shares_gpu=ranks_share_gpu(bufs[0]))
 print(f'{fmt} n={args.tokens} ranks={args.ranks} bad_ids={args.bad_ids}: worst calc_diff {worst:.3e}; {status}; '
       f'kernel variant {variant}', flush=True)
 ok = not has_nan and worst < TOL[fmt] and (('expert id' in status) if args.bad_ids else status == 'no error recorded')

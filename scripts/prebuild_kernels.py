@@ -43,15 +43,17 @@ def _key(fmt, n, num_ranks, experts, topk, hidden, inter, fast):
 
 
 def variants(formats=DEFAULT_FORMATS):
-    """(mma_type, block_m, num_stages, fast_math, block_n_l2, wide_n_min, signals_thread) of every kernel: per format,
+    """(mma_type, block_m, num_stages, fast_math, block_n_l2, wide_n_min, signals_thread, cta_pair) of every kernel: per format,
     BLOCK_M 64 (decode) and 128 (prefill) with their stage counts, fast and exact SwiGLU, at BLOCK_M 64
     the L2 task widths the heuristic picks (128 or 256 by shape and n, FP8 and BF16 also 512;
     DG_MEGA_MOE_L2_BLOCK_N forces one; FP8 x FP4 512-wide only with N = 64 tiles and no signals thread,
     what its one-wave rows launch: its other 512-wide kernels, a tuning aid, compile on first use), and
     FP8 x FP4 decode with and without the N = 16 / 32 transposed tiles (wide_n_min 16 or
     64: by the expected tokens per expert; DG_MEGA_MOE_WIDE_N forces either), each of those also with the
-    signals thread (by the expected tasks per SM; DG_MEGA_MOE_SIGNALS_THREAD forces either). The 128-wide,
-    N = 64 kernels without the signals thread come first."""
+    signals thread (by the expected tasks per SM; DG_MEGA_MOE_SIGNALS_THREAD forces either), and FP8 x FP4's
+    CTA-pair kernels (N = 64 tiles, 128- or 256-wide L2 tasks, with and without the signals thread, at the
+    stages of half an SM: by the expected tasks per SM and tokens per expert; DG_MEGA_MOE_CTA_PAIR forces
+    either). The 128-wide, N = 64 kernels without the signals thread come first."""
     keys = []
     for fmt in formats:
         for n in (1, 1 << 16):   # decode picks BLOCK_M 64, prefill 128
@@ -66,6 +68,13 @@ def variants(formats=DEFAULT_FORMATS):
     keys += fp4_decode[len(fp4_decode) // 2:] + [(*k[:6], True) for k in fp4_decode]
     # FP8 x FP4 512-wide: N = 64 tiles, no signals thread (what its one-wave rows launch)
     keys += [(t, m, s, fast, 512, 64, False) for t, m, s, fast, *_ in decode if t == MMA_TYPES['fp8xfp4']]
+    keys = [(*k, False) for k in keys]
+    # FP8 x FP4 CTA pairs: the stages of the pair's config (half an SM's shared memory)
+    if 'fp8xfp4' in formats:
+        t = MMA_TYPES['fp8xfp4']
+        pair = _C.get_mega_moe_config(t, 1, 256, 8, 7168, 2048, 1, H200_SMS, H200_SMEM, cta_pair=1)
+        keys += [(t, 64, pair['num_stages'], fast, width, 64, sig, True)
+                 for width in (128, 256) for sig in (False, True) for fast in (True, False)]
     return list(dict.fromkeys(keys))
 
 

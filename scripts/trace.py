@@ -59,7 +59,8 @@ def trace_case(fmt, h, i, e, k, n, reps=3, flush=None, code_warm=False):
     # code_warm: after the flush, one untraced call on other experts, so the traced call finds the
     # kernel's code and parameters in L2 but its own weights cold
     other = _other_experts(inputs[0], e) if code_warm else None
-    buf._trace = torch.zeros(_C.get_num_sms() * NUM_SLOTS, dtype=torch.int64, device='cuda')
+    # a slot block per CTA: two an SM with the CTA pair (the analysis below reads the CTAs the call ran)
+    buf._trace = torch.zeros(2 * _C.get_num_sms() * NUM_SLOTS, dtype=torch.int64, device='cuda')
     for r in range(reps):   # the last call is traced (after the flush when given)
         buf._trace.zero_()
         if flush is not None and r == reps - 1:

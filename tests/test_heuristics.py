@@ -55,8 +55,9 @@ def expected_smem(mma_type, block_m, stages):
 
 
 def test_decode_picks_block_m_64_and_prefill_128():
-    decode = config(num_tokens=8)
-    # decode: the two math warpgroups split the columns of a 64-row tile
+    decode = config('fp8xfp8', num_tokens=8)
+    # decode: the two math warpgroups split the columns of a 64-row tile (FP8 x FP4 here takes the CTA
+    # pair: test_cta_pair_choice)
     assert decode['block_m'] == 64 and decode['num_math_warpgroups'] == 2 and decode['num_threads'] == 384
     prefill = config(num_tokens=4096)
     assert prefill['block_m'] == 128 and prefill['num_math_warpgroups'] == 2 and prefill['num_threads'] == 384
@@ -540,3 +541,85 @@ def test_signals_thread_counts_tasks_per_sm():
     kw = dict(num_ranks=1, num_experts=256, num_topk=6, hidden=4096, intermediate_hidden=2048, num_tokens=2)
     assert not config('fp8xfp4', **kw)['signals_thread']
     assert config('fp8xfp4', num_sms=64, **kw)['signals_thread']
+
+
+# The CTA pair (FP8 x FP4 decode, kernel variant `_pair`): from 8 expected L1 + L2 tasks per SM and at
+# most one expected token per expert (docs/PERF.md, sessions 31-32). Rows: (shape, n, picked)
+_V4, _DS, _MID = (256, 6, 4096, 2048), (256, 8, 7168, 2048), (128, 8, 2048, 768)
+
+
+@pytest.mark.parametrize('shape, n, on', [
+    (_V4, 1, False), (_V4, 2, False), (_V4, 8, True), (_V4, 16, True), (_V4, 32, True),
+    (_V4, 64, True), (_V4, 192, True),
+    (_V4, 256, False),    # 6 tokens per expert: the N = 16 / 32 variant
+    (_DS, 4, True), (_DS, 8, True), (_DS, 32, True), (_DS, 128, True), (_DS, 192, False),
+    (_MID, 8, False),     # 6.8 tasks per SM
+    (_MID, 16, True), (_MID, 32, True), (_MID, 64, True), (_MID, 96, False),
+])
+def test_cta_pair_choice(shape, n, on):
+    experts, topk, hidden, inter = shape
+    c = config('fp8xfp4', num_ranks=1, num_experts=experts, num_topk=topk, hidden=hidden, intermediate_hidden=inter, num_tokens=n)
+    assert c['cta_pair'] is on, c
+    assert f'cta_pair={int(on)}' in c['description']
+    if on:
+        # two CTAs an SM: 256 threads, one math warpgroup, two stages in half an SM (228 KB / 2 less the
+        # driver's 1 KB a CTA), N = 64 tiles only; the rest is the two-warpgroup kernel's choice
+        solo = _C.get_mega_moe_config(MMA_TYPES['fp8xfp4'], 1, experts, topk, hidden, inter, n, H200_SMS, H200_SMEM, cta_pair=0)
+        assert (c['num_sms'], c['num_threads'], c['num_math_warpgroups']) == (2 * H200_SMS, 256, 1)
+        assert c['num_stages'] == 2 and c['smem_bytes'] <= 233472 // 2 - 1024 < expected_smem('fp8xfp4', 64, 3)
+        assert c['smem_bytes'] == expected_smem('fp8xfp4', 64, 2) and c['wide_n_min'] == 64
+        assert not solo['cta_pair'] and solo['num_sms'] == H200_SMS and solo['num_threads'] == 384
+        for key in ('block_m', 'block_n_l2', 'signals_thread', 'num_experts_per_wave'):
+            assert c[key] == solo[key], key
+        assert c['num_prefetch_stages'] == min(solo['num_prefetch_stages'], 2)
+
+
+def test_cta_pair_other_formats_and_forcing():
+    v4 = dict(num_ranks=1, num_experts=256, num_topk=6, hidden=4096, intermediate_hidden=2048)
+    for fmt in ('fp8xfp8', 'bf16xbf16'):   # no such kernel: never, even forced
+        for n in (8, 32):
+            assert not config(fmt, num_tokens=n, **v4)['cta_pair']
+            assert not _C.get_mega_moe_config(MMA_TYPES[fmt], 1, 256, 6, 4096, 2048, n, H200_SMS, H200_SMEM, cta_pair=1)['cta_pair']
+    fp4 = MMA_TYPES['fp8xfp4']
+    assert _C.get_mega_moe_config(fp4, 1, 256, 6, 4096, 2048, 1, H200_SMS, H200_SMEM, cta_pair=1)['cta_pair']
+    assert not _C.get_mega_moe_config(fp4, 1, 256, 6, 4096, 2048, 8, H200_SMS, H200_SMEM, cta_pair=0)['cta_pair']
+    # forced where the heuristic takes N = 16 tiles: the pair has none
+    wide = _C.get_mega_moe_config(fp4, 1, 256, 6, 4096, 2048, 512, H200_SMS, H200_SMEM, cta_pair=-1)
+    forced = _C.get_mega_moe_config(fp4, 1, 256, 6, 4096, 2048, 512, H200_SMS, H200_SMEM, cta_pair=1)
+    assert wide['wide_n_min'] == 16 and forced['cta_pair'] and forced['wide_n_min'] == 64
+    # prefill tiles (BLOCK_M 128): no pair
+    assert not _C.get_mega_moe_config(fp4, 1, 256, 6, 4096, 2048, 1 << 16, H200_SMS, H200_SMEM, cta_pair=1)['cta_pair']
+    with pytest.raises(ValueError, match='cta_pair'):
+        _C.get_mega_moe_config(fp4, 1, 256, 6, 4096, 2048, 8, H200_SMS, H200_SMEM, cta_pair=2)
+    # fewer SMs, more tasks per SM: v4-flash at two tokens (384 tasks) pairs on 32 SMs, not on 132
+    assert not config('fp8xfp4', num_tokens=2, **v4)['cta_pair']
+    assert config('fp8xfp4', num_tokens=2, num_sms=32, **v4)['cta_pair']
+
+
+
+@pytest.mark.parametrize('override, on', [
+    (None, [False, True, False]),   # the heuristic's: v4-flash FP4 n = 1 / 8, FP8
+    ('1', [True, True, False]),     # not where the kernel cannot have one (FP8)
+    ('0', [False, False, False]),
+])
+def test_launched_kernel_is_the_cta_pair(override, on):
+    cases = [_V4_FP4_N1, _V4_FP4_N8, _V4_FLASH_N1]
+    out = json.loads(_run_script(_CALLS_SCRIPT, 'DG_MEGA_MOE_CTA_PAIR', override, 'get_mega_moe_kernel_variant', json.dumps(cases)))
+    assert [v['cta_pair'] for v in out] == on
+    for v in out:   # a kernel of its own: its cache name, its source's define, half an SM's stages
+        assert ('_pair' in v['name']) == v['cta_pair'], v['name']
+        source = _C.get_mega_moe_kernel_source(v['mma_type'], v['block_m'], v['num_stages'], True, v['block_n_l2'],
+                                               v['wide_n_min'], v['signals_thread'], v['cta_pair'])
+        assert ('#define DG_MEGA_MOE_CTA_PAIR 1' in source) == v['cta_pair'], source
+        assert v['num_stages'] == 2 if v['cta_pair'] else v['num_stages'] > 2
+        assert not v['cta_pair'] or v['wide_n_min'] == 64
+
+
+def test_cta_pair_variant_arguments():
+    for bad in [(MMA_TYPES['fp8xfp8'], 64, 5, True, 128, 64, False, True),    # no FP8 x FP8 pair
+                (MMA_TYPES['fp8xfp4'], 128, 4, True, 128, 64, False, True),   # prefill tiles
+                (MMA_TYPES['fp8xfp4'], 64, 2, True, 256, 16, False, True)]:   # transposed N = 16 tiles
+        with pytest.raises(ValueError, match='cta_pair'):
+            _C.get_mega_moe_kernel_source(*bad)
+    out = json.loads(_run_script(_CALLS_SCRIPT, 'DG_MEGA_MOE_CTA_PAIR', '2', 'get_mega_moe_kernel_variant', json.dumps([_V4_FP4_N8])))
+    assert 'DG_MEGA_MOE_CTA_PAIR' in out[0] and "'2'" in out[0]

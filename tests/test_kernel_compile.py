@@ -42,12 +42,17 @@ def _variants():
                     fp4_decode = fmt == 'fp8xfp4' and c['block_m'] == 64
                     for signals in ((False, True) if fp4_decode else (False,)):
                         for wide_n_min in ((64, 16) if fp4_decode else (64,)):
-                            v = (fmt, c['block_m'], c['num_stages'], fast, block_n_l2, wide_n_min, signals)
+                            v = (fmt, c['block_m'], c['num_stages'], fast, block_n_l2, wide_n_min, signals, False)
                             if v not in seen:
                                 seen.append(v)
     # FP8 x FP4 decode's 512-wide kernel that the heuristic launches (one-wave rows: N = 64 tiles, no
     # signals thread), both maths
-    seen += [(*v[:4], 512, 64, False) for v in list(seen) if v[0] == 'fp8xfp4' and v[1] == 64 and v[4] == 256 and v[5:] == (64, False)]
+    seen += [(*v[:4], 512, 64, False, False) for v in list(seen)
+             if v[0] == 'fp8xfp4' and v[1] == 64 and v[4] == 256 and v[5:] == (64, False, False)]
+    # FP8 x FP4 CTA pairs (half an SM's stages): N = 64 tiles, 128 / 256-wide L2 tasks, either signals choice
+    pair = _C.get_mega_moe_config(mma_type_to_int('fp8xfp4'), 1, 256, 8, 7168, 2048, 1, 132, H200_SMEM, cta_pair=1)
+    seen += [('fp8xfp4', 64, pair['num_stages'], fast, width, 64, sig, True)
+             for width in (128, 256) for sig in (False, True) for fast in (True, False)]
     return seen
 
 
@@ -56,16 +61,17 @@ def _variants():
 def _tuning_variants():
     out = []
     for v in _variants():
-        if v[0] == 'fp8xfp4' and v[1] == 64 and v[3] and v[4] == 256 and v[5:] == (16, True):
+        if v[0] == 'fp8xfp4' and v[1] == 64 and v[3] and v[4] == 256 and v[5:] == (16, True, False):
             out.append((*v[:4], 512, *v[5:]))
     return out
 
 
 @pytest.mark.parametrize('variant', _variants() + _tuning_variants(),
-                         ids=lambda v: f'{v[0]}-m{v[1]}-n{v[4]}-s{v[2]}-{"fast" if v[3] else "exact"}-w{v[5]}{"-sig" if v[6] else ""}')
+                         ids=lambda v: f'{v[0]}-m{v[1]}-n{v[4]}-s{v[2]}-{"fast" if v[3] else "exact"}-w{v[5]}'
+                                       f'{"-sig" if v[6] else ""}{"-pair" if v[7] else ""}')
 def test_mega_moe_variant_compiles_for_sm90a(variant, requires_nvcc):
-    fmt, block_m, stages, fast, block_n_l2, wide_n_min, signals = variant
-    kernel_dir = _C.compile_mega_moe(mma_type_to_int(fmt), block_m, stages, fast, block_n_l2, wide_n_min, signals)
+    fmt, block_m, stages, fast, block_n_l2, wide_n_min, signals, pair = variant
+    kernel_dir = _C.compile_mega_moe(mma_type_to_int(fmt), block_m, stages, fast, block_n_l2, wide_n_min, signals, pair)
     cubin = os.path.join(kernel_dir, 'kernel.cubin')
     with open(cubin, 'rb') as f:
         assert f.read(4) == b'\x7fELF'
@@ -105,9 +111,9 @@ def test_prebuild_covers_every_kernel_the_launcher_picks():
     out = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, check=True, cwd=ROOT,
                          env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get('PYTHONPATH', '')))
     prebuilt = {tuple(k) for k in json.loads(out.stdout)}
-    ours = {(mma_type_to_int(f), m, s, fast, n, w, sig) for f, m, s, fast, n, w, sig in _variants()}
+    ours = {(mma_type_to_int(f), m, s, fast, n, w, sig, pair) for f, m, s, fast, n, w, sig, pair in _variants()}
     assert prebuilt == ours
-    picked, widths, wide_ns, signals = set(), set(), set(), set()
+    picked, widths, wide_ns, signals, pairs = set(), set(), set(), set(), set()
     shapes = [(256, 6, 4096, 2048), (128, 8, 2048, 768), (256, 8, 7168, 2048), (64, 4, 1024, 512)]
     for fmt in FORMATS:
         for num_experts, topk, hidden, inter in shapes:
@@ -120,21 +126,27 @@ def test_prebuild_covers_every_kernel_the_launcher_picks():
                     widths.add(c['block_n_l2'])
                     wide_ns.add(c['wide_n_min'])
                     signals.add(c['signals_thread'])
-                    assert v['signals_thread'] == c['signals_thread']
+                    pairs.add(c['cta_pair'])
+                    assert v['signals_thread'] == c['signals_thread'] and v['cta_pair'] == c['cta_pair']
                     for fast in (True, False):   # the heuristic's own kernel
                         picked.add((v['mma_type'], c['block_m'], c['num_stages'], fast, c['block_n_l2'], c['wide_n_min'],
-                                    c['signals_thread']))
+                                    c['signals_thread'], c['cta_pair']))
                     fp4_decode = fmt == 'fp8xfp4' and v['block_m'] == 64
-                    for width in l2_widths(fmt, v['block_m']):   # heuristic or override
-                        for wide_n_min in (64, 16, 32) if fp4_decode else (64,):
-                            for sig in (False, True) if fp4_decode else (False,):
-                                for fast in (True, False):
-                                    picked.add((v['mma_type'], v['block_m'], v['num_stages'], fast, width, wide_n_min, sig))
+                    for pair in (False, True) if fp4_decode else (False,):   # heuristic or DG_MEGA_MOE_CTA_PAIR
+                        p = _C.get_mega_moe_config(mma_type_to_int(fmt), num_ranks, num_experts, topk, hidden, inter, n,
+                                                   132, H200_SMEM, cta_pair=int(pair))
+                        for width in l2_widths(fmt, v['block_m']):   # heuristic or override
+                            for wide_n_min in (64,) if p['cta_pair'] else (64, 16, 32) if fp4_decode else (64,):
+                                for sig in (False, True) if fp4_decode else (False,):
+                                    for fast in (True, False):
+                                        picked.add((v['mma_type'], v['block_m'], p['num_stages'], fast, width, wide_n_min, sig,
+                                                    p['cta_pair']))
     # DG_MEGA_MOE_WIDE_N=32 picks kernels no prebuild carries (a tuning aid: compiled on first use)
     assert {p for p in picked if p[5] != 32} <= prebuilt, {p for p in picked if p[5] != 32} - prebuilt
     assert widths == {128, 256, 512}, 'the sweep should meet every width'
     assert wide_ns == {64, 16}, 'the sweep should meet both FP8 x FP4 decode kernels'
     assert signals == {False, True}, 'the sweep should meet the kernels with and without the signals thread'
+    assert pairs == {False, True}, 'the sweep should meet the CTA-pair kernels'
 
 
 def test_virtual_ranks_prepare_every_variant_before_the_first_launch(monkeypatch, requires_nvcc):
@@ -164,9 +176,9 @@ def test_virtual_ranks_prepare_every_variant_before_the_first_launch(monkeypatch
             return getattr(_C, name)
 
         @staticmethod
-        def prepare_mega_moe(*args):
-            events.append(('prepare', args))
-            return prepare_mega_moe(*args)
+        def prepare_mega_moe(*args, **kwargs):
+            events.append(('prepare', args, kwargs))
+            return prepare_mega_moe(*args, **kwargs)
     monkeypatch.setattr(launch, '_C', Recorder())
     monkeypatch.setattr(launch, '_max_smem', lambda device: H200_SMEM)
     monkeypatch.setattr(launch, '_compiled_calls', set())
@@ -190,11 +202,33 @@ def test_virtual_ranks_prepare_every_variant_before_the_first_launch(monkeypatch
     args = [e[1] for e in events[:4]]
     assert [a[-1] for a in args] == [False] * 4, 'CPU buffers: compiled, not loaded'
     # The kernels the launcher picks per rank (mma_type, ..., num_tokens, num_sms, max_smem, fast_math)
-    variants = [_C.get_mega_moe_kernel_variant(*a[:-1]) for a in args]
+    assert [e[2] for e in events[:4]] == [{'ranks_share_gpu': True}] * 4, 'virtual ranks share the GPU'
+    variants = [_C.get_mega_moe_kernel_variant(*a[:-1], ranks_share_gpu=True) for a in args]
     assert [v['block_m'] for v in variants] == [64, 64, 64, 128]
     assert [v['block_n_l2'] for v in variants] == [512, 256, 128, 128]
     assert [a[6] for a in args] == ns
     assert [e[1] for e in events[4:]] == ns
+
+
+def test_virtual_ranks_leave_out_the_cta_pair():
+    # test_mid_shape[4-ns3-fp8xfp4] (n = [64, 7, 0, 1024] on 4 virtual ranks of an H200): rank 1 alone
+    # would take the CTA pair (1.75 expected tokens per expert, 44 tasks per SM), ranks 0 / 3 the
+    # one-CTA-an-SM kernels; launched side by side on one GPU, the pair's 66 CTAs spread over 66 SMs
+    # and left ranks 2-3 without SMs: every rank timed out, y left NaN (seen on the H200). Ranks that
+    # share the GPU (a slice of its SMs each) never get the pair from the heuristic
+    from deep_gemm.mega import launch
+    from deep_gemm.testing import virtual_ranks
+    args = lambda n: (mma_type_to_int('fp8xfp4'), 4, 128, 8, 2048, 768, n, 33, H200_SMEM, True)
+    assert _C.get_mega_moe_kernel_variant(*args(7))['cta_pair'], 'rank 1 on a GPU of its own: the pair'
+    assert not any(_C.get_mega_moe_kernel_variant(*args(n), ranks_share_gpu=True)['cta_pair'] for n in (64, 7, 0, 1024))
+    bufs = virtual_ranks.make_virtual_ranks(4, 128, 1024, 8, 2048, 768, 'fp8xfp4', device='cpu')
+    assert not any(launch.ranks_share_gpu(b) for b in bufs), 'no SM slice given (CPU buffers): not virtual'
+    for b in bufs:
+        b.num_sms = 33
+    assert all(launch.ranks_share_gpu(b) for b in bufs)
+    one = virtual_ranks.make_virtual_ranks(1, 128, 16, 8, 2048, 768, 'fp8xfp4', device='cpu')[0]
+    one.num_sms = 8
+    assert not launch.ranks_share_gpu(one), 'one rank: the GPU is its own'
 
 
 def test_prepare_mega_moe_compiles_the_launched_variant(requires_nvcc):

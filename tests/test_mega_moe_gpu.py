@@ -168,7 +168,8 @@ def test_one_wave_512_wide_l2_tasks(mma_type, shape, ns, sms):
     grid = sms or _C.get_num_sms() // len(ns)
     if grid < 128 and shape == BIG:
         pytest.skip(f'{grid} SMs: deepseek-v3 at one token has more L1 tasks (128) than CTAs')
-    v = kernel_variant(mma_type, len(ns), experts, topk, hidden, inter, 1, grid, _max_smem(torch.device('cuda')))
+    v = kernel_variant(mma_type, len(ns), experts, topk, hidden, inter, 1, grid, _max_smem(torch.device('cuda')),
+                       shares_gpu=len(ns) > 1)
     assert (v[1], v[4], v[5], v[6]) == (64, 512, 64, False), f'{v}: the case no longer covers what it says'
     check_case(mma_type, hidden, inter, experts, topk, ns, seed=47 + len(ns), sms=sms)
 
@@ -206,7 +207,8 @@ def test_l2_tasks_512_wide(mma_type):
     for (hidden, inter, experts, topk), ns, seed, routing, sms in L2_512_CASES:
         w = weights_for(mma_type, hidden, inter, experts, len(ns))
         for r, n in enumerate(ns):
-            v = kernel_variant(mma_type, len(ns), experts, topk, hidden, inter, n, sms or _C.get_num_sms() // len(ns), smem)
+            v = kernel_variant(mma_type, len(ns), experts, topk, hidden, inter, n, sms or _C.get_num_sms() // len(ns), smem,
+                               shares_gpu=len(ns) > 1)
             assert v[1] == 128 or v[4] == 512, f'rank {r} n = {n}: {v} is not the 512-wide kernel'
         check_case(mma_type, hidden, inter, experts, topk, ns, seed, weights=w, sms=sms, **routing)
 
@@ -227,6 +229,46 @@ def test_fp4_signals_thread(args):
     assert run.returncode == 0, f'{run.stdout}\n{run.stderr[-3000:]}'
     variant = ast.literal_eval(re.search(r'kernel variant (\([^)]*\))', run.stdout).group(1))
     assert variant[1] == 64 and variant[6] is True, f'{variant}: not the decode kernel with the signals thread'
+    record_diff('fp8xfp4', float(re.search(r'worst calc_diff (\S+);', run.stdout).group(1)))
+
+
+# The CTA pair (FP8 x FP4 decode: two CTAs an SM, one math warpgroup each, every M-block as token
+# passes of 8 over its weights). DG_MEGA_MOE_CTA_PAIR=1 (read once per process: a subprocess each)
+# forces it where the heuristic would not: narrow M-blocks, M-blocks of ~12 tokens (two passes) and
+# 100 tokens on each of two experts (--experts-allowed 2, the other top-k slots masked: M-blocks of 64
+# and 36 tokens, eight and five passes), virtual ranks, 512-wide L2
+# tasks (two weight passes, each over every token pass), the kernel without the signals thread, and
+# the mid shape at 128 tokens (256-wide L2 tasks, M-blocks of ~8); the last two cases are the
+# heuristic's own picks on every SM: mid at 16 tokens (13.6 expected tasks per SM, one token per
+# expert) and at 64 (four per expert: M-blocks of one to ~12 tokens, one or two passes).
+@pytest.mark.parametrize('args, env', [
+    (('--tokens', '8', '--sms', '8'), {}),
+    (('--tokens', '48', '--sms', '8'), {}),
+    (('--tokens', '100', '--experts-allowed', '2', '--sms', '8'), {}),
+    (('--tokens', '8', '--ranks', '2', '--sms', '16'), {}),
+    (('--tokens', '48', '--ranks', '4', '--sms', '8'), {}),
+    (('--tokens', '48', '--sms', '8'), {'DG_MEGA_MOE_L2_BLOCK_N': '512'}),
+    (('--tokens', '48', '--sms', '8'), {'DG_MEGA_MOE_SIGNALS_THREAD': '0'}),
+    (('--shape', 'mid', '--tokens', '128', '--sms', 'all'), {}),
+    (('--shape', 'mid', '--tokens', '16', '--sms', 'all'), None),
+    (('--shape', 'mid', '--tokens', '64', '--sms', 'all'), None),
+], ids=['narrow', 'two-passes', 'eight-passes', 'ep2', 'wide-ep4', 'l2-512', 'no-signals', 'mid', 'heuristic', 'heuristic-passes'])
+def test_fp4_cta_pair(args, env):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    args = tuple(str(_C.get_num_sms()) if a == 'all' else a for a in args)
+    cmd = [sys.executable, os.path.join(root, 'scripts', 'one_launch.py'), '--format', 'fp8xfp4', *args]
+    child = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get('PYTHONPATH')])))
+    child.pop('DG_MEGA_MOE_CTA_PAIR', None)
+    if env is not None:
+        child.update(env, DG_MEGA_MOE_CTA_PAIR='1')
+    run = subprocess.run(cmd, env=child, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, f'{run.stdout}\n{run.stderr[-3000:]}'
+    variant = ast.literal_eval(re.search(r'kernel variant (\([^)]*\))', run.stdout).group(1))
+    assert variant[1] == 64 and variant[5] == 64 and variant[7] is True, f'{variant}: not the CTA-pair kernel'
+    if env and 'DG_MEGA_MOE_L2_BLOCK_N' in env:
+        assert variant[4] == 512, variant
+    if env and 'DG_MEGA_MOE_SIGNALS_THREAD' in env:
+        assert variant[6] is False, variant
     record_diff('fp8xfp4', float(re.search(r'worst calc_diff (\S+);', run.stdout).group(1)))
 
 

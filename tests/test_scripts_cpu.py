@@ -68,8 +68,12 @@ def test_prebuild_lists_the_ep_kernels():
     full = run('fp8xfp8', 'fp8xfp4', 'bf16xbf16')
     # fast and exact, 256-wide L2 at BLOCK_M 64 (FP8 and BF16 also 512-wide: 4), FP8 x FP4 decode with
     # and without the N = 16 / 32 tiles, each of those 8 with and without the signals thread, and its
-    # 512-wide kernel of the one-wave rows (N = 64, no signals thread: 2)
-    assert full.returncode == 0 and len(full.stdout.splitlines()) == 36
+    # 512-wide kernel of the one-wave rows (N = 64, no signals thread: 2); and the CTA pair (FP8 x FP4
+    # decode, N = 64 only, 2 stages): 128- and 256-wide L2, with and without the signals thread (8)
+    assert full.returncode == 0 and len(full.stdout.splitlines()) == 36 + 8
+    pair = [eval(line) for line in full.stdout.splitlines() if line.startswith('(') and eval(line)[7]]
+    assert sorted((k[3], k[4], k[6]) for k in pair) == sorted((f, w, s) for f in (False, True) for w in (128, 256) for s in (False, True))
+    assert all(k[:2] == (0, 64) and k[2] == 2 and k[5] == 64 for k in pair)
     assert all(k[5] == 64 or (k[0], k[1], k[5]) == (0, 64, 16) for k in keys)
     assert run('--ep', '1').returncode == 2 and run('fp16').returncode == 2
 

@@ -18,6 +18,7 @@ inline pybind11::dict config_to_dict(const MegaMoEConfig& c) {
     d["block_n_l2"] = c.block_n_l2;
     d["wide_n_min"] = c.wide_n_min;
     d["signals_thread"] = c.signals_thread;
+    d["cta_pair"] = c.cta_pair;
     d["block_k"] = c.block_k;
     d["num_stages"] = c.num_stages;
     d["num_prefetch_stages"] = c.num_prefetch_stages;
@@ -35,24 +36,25 @@ inline pybind11::dict config_to_dict(const MegaMoEConfig& c) {
 }
 
 inline MegaMoEConfig config_from_args(int mma_type, int num_ranks, int num_experts, int num_topk, int hidden,
-                                      int intermediate_hidden, int num_tokens, int num_sms, int max_smem_bytes) {
+                                      int intermediate_hidden, int num_tokens, int num_sms, int max_smem_bytes, int cta_pair = -1) {
     return get_mega_moe_config(mega_moe_mma_type(mma_type), num_ranks, num_experts, num_topk, hidden,
-                               intermediate_hidden, num_tokens, num_sms, max_smem_bytes);
+                               intermediate_hidden, num_tokens, num_sms, max_smem_bytes, cta_pair);
 }
 
 inline void register_apis(pybind11::module_& m) {
     namespace py = pybind11;
     m.def("get_mega_moe_config",
           [](int mma_type, int num_ranks, int num_experts, int num_topk, int hidden, int intermediate_hidden,
-             int num_tokens, int num_sms, int max_smem_bytes) {
+             int num_tokens, int num_sms, int max_smem_bytes, int cta_pair) {
               return config_to_dict(config_from_args(mma_type, num_ranks, num_experts, num_topk, hidden,
-                                                     intermediate_hidden, num_tokens, num_sms, max_smem_bytes));
+                                                     intermediate_hidden, num_tokens, num_sms, max_smem_bytes, cta_pair));
           },
           py::arg("mma_type"), py::arg("num_ranks"), py::arg("num_experts"), py::arg("num_topk"), py::arg("hidden"),
           py::arg("intermediate_hidden"), py::arg("num_tokens"), py::arg("num_sms"),
-          py::arg("max_smem_bytes") = mega_moe_tiles::kSM90MaxSmemBytes,
+          py::arg("max_smem_bytes") = mega_moe_tiles::kSM90MaxSmemBytes, py::arg("cta_pair") = -1,
           "Kernel config the Mega MoE launcher picks for this shape and token count (dict of MegaMoEConfig\n"
-          "fields plus 'description'). mma_type: 0 fp8xfp4, 1 fp8xfp8, 2 bf16xbf16. Raises ValueError.");
+          "fields plus 'description'). mma_type: 0 fp8xfp4, 1 fp8xfp8, 2 bf16xbf16. cta_pair: -1 the\n"
+          "heuristic's choice, 0 never, 1 wherever the kernel has the variant. Raises ValueError.");
     m.def("print_mega_moe_config_if_requested",
           [](int mma_type, int num_ranks, int num_experts, int num_topk, int hidden, int intermediate_hidden,
              int num_tokens, int num_sms, int max_smem_bytes) {

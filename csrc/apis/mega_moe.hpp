@@ -19,7 +19,7 @@ inline void register_apis(py::module_& m) {
              int64_t l1_weight_scales, int64_t l1_weight_deltas, int64_t l2_weights, int64_t l2_weight_scales,
              int64_t l2_weight_deltas, int64_t stats, int64_t host_status,
              int64_t trace, int64_t stream, double activation_clamp, bool fast_math, double timeout_s, int num_sms, int max_smem_bytes,
-             bool peers_on_this_gpu) {
+             bool peers_on_this_gpu, bool ranks_share_gpu) {
               if (buffers.empty() or buffers.size() > static_cast<size_t>(kMaxRanks))
                   throw std::invalid_argument("buffers: expected 1.." + std::to_string(kMaxRanks) + " peer addresses");
               if (rank < 0 or rank >= static_cast<int>(buffers.size()))
@@ -37,7 +37,7 @@ inline void register_apis(py::module_& m) {
                                              y, l1_weights, l1_weight_scales, l1_weight_deltas, l2_weights, l2_weight_scales,
                                              l2_weight_deltas, stats,
                                              host_status, trace, stream, activation_clamp, fast_math, timeout_s, num_sms,
-                                             max_smem_bytes, peers_on_this_gpu};
+                                             max_smem_bytes, peers_on_this_gpu, ranks_share_gpu};
               // Nothing is returned: formatting the config on every call would cost host time
               // (DG_PRINT_CONFIGS prints each distinct one once)
               jit_kernels::launch_sm90_mega_moe(a);
@@ -47,7 +47,7 @@ inline void register_apis(py::module_& m) {
           py::arg("num_tokens"), py::arg("y"), py::arg("l1_weights"), py::arg("l1_weight_scales"), py::arg("l1_weight_deltas"),
           py::arg("l2_weights"), py::arg("l2_weight_scales"), py::arg("l2_weight_deltas"), py::arg("stats"), py::arg("host_status"), py::arg("trace"), py::arg("stream"),
           py::arg("activation_clamp"), py::arg("fast_math"), py::arg("timeout_s"), py::arg("num_sms"),
-          py::arg("max_smem_bytes"), py::arg("peers_on_this_gpu") = false,
+          py::arg("max_smem_bytes"), py::arg("peers_on_this_gpu") = false, py::arg("ranks_share_gpu") = false,
           "Launch one rank's Mega MoE kernel (addresses as ints; validated by deep_gemm.mega.api).");
 
     m.def("launch_mega_moe_stage",
@@ -70,13 +70,14 @@ inline void register_apis(py::module_& m) {
           py::arg("fp8"), "Compile (or fetch from the cache) the staging kernel; works without a GPU.");
 
     m.def("compile_mega_moe",
-          [](int mma_type, int block_m, int num_stages, bool fast_math, int block_n_l2, int wide_n_min, bool signals_thread) {
+          [](int mma_type, int block_m, int num_stages, bool fast_math, int block_n_l2, int wide_n_min, bool signals_thread, bool cta_pair) {
               return jit_kernels::SM90MegaMoEVariant{static_cast<MmaType>(mma_type), block_m, num_stages, fast_math, block_n_l2,
-                                                     wide_n_min, signals_thread}
+                                                     wide_n_min, signals_thread, cta_pair}
                   .compile().string();
           },
           py::arg("mma_type"), py::arg("block_m"), py::arg("num_stages"), py::arg("fast_math") = true,
           py::arg("block_n_l2") = kMegaMoEBlockNL2, py::arg("wide_n_min") = 64, py::arg("signals_thread") = false,
+          py::arg("cta_pair") = false,
           "Compile (or fetch from DG_JIT_CACHE_DIR) one Mega MoE kernel variant for sm_90a; works without a GPU. "
           "block_n_l2: the L2 task width, 128 or (block_m 64) 256 / 512; wide_n_min: the narrowest transposed wide "
           "tile, 64 or (fp8xfp4, block_m 64) 16 / 32; signals_thread: (fp8xfp4, block_m 64) the kernel with the "
@@ -84,26 +85,27 @@ inline void register_apis(py::module_& m) {
 
     m.def("prepare_mega_moe",
           [](int mma_type, int num_ranks, int num_experts, int num_topk, int hidden, int intermediate_hidden,
-             int num_tokens, int num_sms, int max_smem_bytes, bool fast_math, bool load) {
+             int num_tokens, int num_sms, int max_smem_bytes, bool fast_math, bool load, bool ranks_share_gpu) {
               return jit_kernels::prepare_sm90_mega_moe(mega_moe_mma_type(mma_type), num_ranks, num_experts, num_topk,
                                                         hidden, intermediate_hidden, num_tokens, num_sms, max_smem_bytes,
-                                                        fast_math, load);
+                                                        fast_math, load, ranks_share_gpu);
           },
           py::arg("mma_type"), py::arg("num_ranks"), py::arg("num_experts"), py::arg("num_topk"), py::arg("hidden"),
           py::arg("intermediate_hidden"), py::arg("num_tokens"), py::arg("num_sms"), py::arg("max_smem_bytes"),
-          py::arg("fast_math") = true, py::arg("load") = false,
+          py::arg("fast_math") = true, py::arg("load") = false, py::arg("ranks_share_gpu") = false,
           "Compile the kernel variant launch_mega_moe would launch for these arguments (works without a GPU)\n"
           "and, with load=True, load it into the current CUDA context as its first launch would (module load,\n"
           "shared-memory opt-in). Returns the kernel's cache directory.");
 
     m.def("get_mega_moe_kernel_source",
-          [](int mma_type, int block_m, int num_stages, bool fast_math, int block_n_l2, int wide_n_min, bool signals_thread) {
+          [](int mma_type, int block_m, int num_stages, bool fast_math, int block_n_l2, int wide_n_min, bool signals_thread, bool cta_pair) {
               return jit_kernels::SM90MegaMoEVariant{static_cast<MmaType>(mma_type), block_m, num_stages, fast_math, block_n_l2,
-                                                     wide_n_min, signals_thread}
+                                                     wide_n_min, signals_thread, cta_pair}
                   .source();
           },
           py::arg("mma_type"), py::arg("block_m"), py::arg("num_stages"), py::arg("fast_math") = true,
           py::arg("block_n_l2") = kMegaMoEBlockNL2, py::arg("wide_n_min") = 64, py::arg("signals_thread") = false,
+          py::arg("cta_pair") = false,
           "The generated source of one Mega MoE kernel variant (for inspection).");
 
     m.def("get_mega_moe_l1_split_max",
@@ -125,10 +127,10 @@ inline void register_apis(py::module_& m) {
 
     m.def("get_mega_moe_kernel_variant",
           [](int mma_type, int num_ranks, int num_experts, int num_topk, int hidden, int intermediate_hidden,
-             int num_tokens, int num_sms, int max_smem_bytes, bool fast_math) {
+             int num_tokens, int num_sms, int max_smem_bytes, bool fast_math, bool ranks_share_gpu) {
               const auto [config, v] = jit_kernels::select_sm90_mega_moe_variant(
                   mega_moe_mma_type(mma_type), num_ranks, num_experts, num_topk, hidden, intermediate_hidden,
-                  num_tokens, num_sms, max_smem_bytes, fast_math);
+                  num_tokens, num_sms, max_smem_bytes, fast_math, ranks_share_gpu);
               py::dict d;
               d["name"] = v.name();
               d["mma_type"] = static_cast<int>(v.mma_type);
@@ -138,15 +140,18 @@ inline void register_apis(py::module_& m) {
               d["block_n_l2"] = v.block_n_l2;
               d["wide_n_min"] = v.wide_n_min;
               d["signals_thread"] = v.signals_thread;
+              d["cta_pair"] = v.cta_pair;
               return d;
           },
           py::arg("mma_type"), py::arg("num_ranks"), py::arg("num_experts"), py::arg("num_topk"), py::arg("hidden"),
           py::arg("intermediate_hidden"), py::arg("num_tokens"), py::arg("num_sms"),
           py::arg("max_smem_bytes") = mega_moe_tiles::kSM90MaxSmemBytes, py::arg("fast_math") = true,
+          py::arg("ranks_share_gpu") = false,
           "The kernel variant launch_mega_moe would launch for this shape and token count (the heuristic's\n"
           "config with DG_MEGA_MOE_L2_BLOCK_N and DG_MEGA_MOE_WIDE_N applied): dict of name, mma_type, block_m,\n"
-          "num_stages, fast_math, block_n_l2, wide_n_min, signals_thread (DG_MEGA_MOE_SIGNALS_THREAD applied too).\n"
-          "Works without a GPU.");
+          "num_stages, fast_math, block_n_l2, wide_n_min, signals_thread, cta_pair (DG_MEGA_MOE_SIGNALS_THREAD and\n"
+          "DG_MEGA_MOE_CTA_PAIR applied too; ranks_share_gpu: other ranks' kernels run on this GPU at once, as\n"
+          "virtual ranks do, so no CTA pair unless forced). Works without a GPU.");
 }
 
 }  // namespace deep_gemm::apis::mega_moe

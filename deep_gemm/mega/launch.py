@@ -29,15 +29,24 @@ def _max_smem(device: torch.device) -> int:
     return _max_smem_by_device[index]
 
 
+def ranks_share_gpu(buf) -> bool:
+    """Whether other ranks' kernels of a call run on this rank's GPU at the same time: several ranks, this
+    one given a slice of the GPU's SMs (`buf.num_sms`, as `make_virtual_ranks` sets). Their persistent
+    grids must all be resident at once, so the launcher then leaves out the CTA pair (two CTAs an SM),
+    which beside another rank's one-CTA-an-SM kernel cannot promise that (docs/KERNEL.md)."""
+    return buf.num_ranks > 1 and getattr(buf, 'num_sms', None) is not None
+
+
 def kernel_variant(kind: str, num_ranks: int, num_experts: int, num_topk: int, hidden: int, intermediate_hidden: int,
-                   num_tokens: int, num_sms: int, max_smem: int, fast_math: bool = True):
-    """(mma_type, block_m, num_stages, fast_math, block_n_l2, wide_n_min, signals_thread) of the kernel that a
-    call with these arguments launches: the C++ launcher's own choice (heuristic, DG_MEGA_MOE_L2_BLOCK_N,
-    DG_MEGA_MOE_WIDE_N and DG_MEGA_MOE_SIGNALS_THREAD), the arguments of `_C.compile_mega_moe`."""
+                   num_tokens: int, num_sms: int, max_smem: int, fast_math: bool = True, shares_gpu: bool = False):
+    """(mma_type, block_m, num_stages, fast_math, block_n_l2, wide_n_min, signals_thread, cta_pair) of the kernel
+    that a call with these arguments launches: the C++ launcher's own choice (heuristic, DG_MEGA_MOE_L2_BLOCK_N,
+    DG_MEGA_MOE_WIDE_N, DG_MEGA_MOE_SIGNALS_THREAD and DG_MEGA_MOE_CTA_PAIR), the arguments of
+    `_C.compile_mega_moe`. `shares_gpu`: `ranks_share_gpu(buf)` of the rank (virtual ranks: True)."""
     v = _C.get_mega_moe_kernel_variant(mma_type_to_int(kind), num_ranks, num_experts, num_topk, hidden,
                                        intermediate_hidden, int(num_tokens), int(num_sms), int(max_smem),
-                                       bool(fast_math))
-    return v['mma_type'], v['block_m'], v['num_stages'], v['fast_math'], v['block_n_l2'], v['wide_n_min'], v['signals_thread']
+                                       bool(fast_math), bool(shares_gpu))
+    return v['mma_type'], v['block_m'], v['num_stages'], v['fast_math'], v['block_n_l2'], v['wide_n_min'], v['signals_thread'], v['cta_pair']
 
 
 _compiled_calls = set()
@@ -54,14 +63,14 @@ def compile_mega_moe_kernel(kind: str, num_tokens: int, buf, fast_math: bool = T
     it already wait for it: their spin-waits time out ("waiting for receive counts")."""
     num_sms = int(getattr(buf, 'num_sms', None) or _C.get_num_sms())
     key = (kind, buf.num_ranks, buf.num_experts, buf.num_topk, buf.hidden, buf.intermediate_hidden, int(num_tokens),
-           num_sms, bool(fast_math), buf.device)
+           num_sms, bool(fast_math), ranks_share_gpu(buf), buf.device)
     if key in _compiled_calls:
         return
     load = torch.device(buf.device).type == 'cuda'    # CPU buffers (tests): compile only
     with torch.cuda.device(buf.device) if load else contextlib.nullcontext():
         _C.prepare_mega_moe(mma_type_to_int(kind), buf.num_ranks, buf.num_experts, buf.num_topk, buf.hidden,
                             buf.intermediate_hidden, int(num_tokens), int(num_sms), int(_max_smem(buf.device)),
-                            bool(fast_math), load)
+                            bool(fast_math), load, ranks_share_gpu=ranks_share_gpu(buf))
     _compiled_calls.add(key)
 
 
@@ -92,4 +101,4 @@ def launch_mega_moe(kind: str, y: torch.Tensor, l1, l2, buf, stats: Optional[tor
         stream=torch.cuda.current_stream(y.device).cuda_stream,
         activation_clamp=0.0 if activation_clamp is None else float(activation_clamp), fast_math=bool(fast_math),
         timeout_s=status.get_timeout(), num_sms=int(num_sms), max_smem_bytes=_max_smem(y.device),
-        peers_on_this_gpu=bool(buf.peers_on_this_gpu))
+        peers_on_this_gpu=bool(buf.peers_on_this_gpu), ranks_share_gpu=ranks_share_gpu(buf))

@@ -47,6 +47,21 @@ constexpr int kSignalsThreadMinTasksPerSM = 4;
 // FP8 / BF16 decode: 512-wide L2 tasks from this many expected tokens per local expert touched
 // (docs/PERF.md, session 28)
 constexpr int kL2WideTokensPerExpert = 8;
+// The CTA pair (FP8 x FP4 decode: two CTAs an SM, one math warpgroup each; docs/KERNEL.md): from this
+// many expected L1 + L2 tasks per SM, and below kFP4WideTokensPerExpert expected tokens per expert
+// (where the two-warpgroup kernel would run M-blocks of more than 8 tokens as N = 64 transposed
+// tiles; the pair runs them as passes of 8 tokens, and has no N = 16 / 32 tiles). Measured
+// (docs/PERF.md, session 33, two-warpgroup kernel -> pair): v4-flash n = 8 / 16 / 32 / 64 / 128 / 192
+// -3.7 / -7.8 / -8.3 / -8.6 / -9.1 / -8.1 % (0.19-4.5 tokens per expert),
+// deepseek-v3 n = 4 / 8 / 32 / 128 -6.1 / -6.3 / -7.4 / -7.2 %, mid n = 16 / 32 / 64 -9.6 / -10.6 /
+// -11.4 %; even at v4-flash n = 2 / 4 (2.9 / 5.8 tasks per SM), +3.3 % at mid n = 8 (6.8), +34 % at
+// one token (1.5); at 6 tokens per expert, against the N = 16 / 32 variant, deepseek-v3 +1.6 %,
+// v4-flash -0.7 %, mid -6.1 % (left to that variant)
+constexpr int kCtaPairMinTasksPerSM = 8;
+// Shared memory of one SM (228 KB) and what the driver reserves per resident CTA (1 KB): each CTA of
+// the pair gets half less that reserve
+constexpr int kSM90SmemPerSM = 233472;
+constexpr int kSM90SmemReservedPerCTA = 1024;
 // Opt-in shared memory per block on every Hopper part the kernel targets (H100/H200: 227 KB)
 constexpr int kSM90MaxSmemBytes = 232448;
 }  // namespace mega_moe_tiles
@@ -59,6 +74,7 @@ struct MegaMoEConfig {
     int block_n_l2;            // L2 task width, a kernel variant: 128, or 256 / 512 (decode, 128-wide tasks outnumber the SMs)
     int wide_n_min;            // narrowest transposed wide tile, a kernel variant: 64, or 16 (FP8 x FP4 decode, many tokens per expert)
     bool signals_thread;       // FP8 x FP4 decode: a dispatch thread raises the math's task signals (a kernel variant, `_sig`)
+    bool cta_pair;             // FP8 x FP4 decode: two CTAs an SM, one math warpgroup each (a kernel variant, `_pair`)
     int block_k;               // 128 (FP8) or 64 (BF16): one 128-byte swizzle row
     int num_stages;            // TMA -> WGMMA pipeline depth
     int num_prefetch_stages;   // weight stages an L1 task streams before its tokens are in (<= num_stages)
@@ -81,7 +97,7 @@ struct MegaMoEConfig {
         std::ostringstream os;
         os << "MegaMoEConfig(mma_type=" << kNames[static_cast<int>(mma_type)] << ", block_m=" << block_m
            << ", block_n_l1=" << block_n_l1 << ", block_n_l2=" << block_n_l2 << ", wide_n_min=" << wide_n_min
-           << ", signals_thread=" << (signals_thread ? 1 : 0) << ", block_k=" << block_k
+           << ", signals_thread=" << (signals_thread ? 1 : 0) << ", cta_pair=" << (cta_pair ? 1 : 0) << ", block_k=" << block_k
            << ", num_stages=" << num_stages << ", num_prefetch_stages=" << num_prefetch_stages << ", num_prefetch_stages_l2=" << num_prefetch_stages_l2 << ", num_math_warpgroups=" << num_math_warpgroups
            << ", num_threads=" << num_threads << ", num_sms=" << num_sms
            << ", num_experts_per_wave=" << num_experts_per_wave << ", smem_bytes=" << smem_bytes
@@ -106,10 +122,11 @@ inline MmaType mega_moe_mma_type(int mma_type) {
 
 // `num_expected_tokens_per_rank` is the caller's `n` (tokens this call), `num_sms` the SMs the
 // persistent grid may use (not necessarily the whole GPU), `max_smem_bytes` the opt-in shared memory
-// of one block (232448 on H100/H200).
+// of one block (232448 on H100/H200). `cta_pair`: -1 the heuristic's choice, 0 never, 1 wherever
+// the kernel has the variant (FP8 x FP4 decode whose half of an SM fits two stages).
 inline MegaMoEConfig get_mega_moe_config(MmaType mma_type, int num_ranks, int num_experts, int num_topk,
                                          int hidden, int intermediate_hidden, int num_expected_tokens_per_rank,
-                                         int num_sms, int max_smem_bytes) {
+                                         int num_sms, int max_smem_bytes, int cta_pair = -1) {
     using namespace mega_moe_tiles;
     mega_moe_mma_type(static_cast<int>(mma_type));   // the one range check of the format
     if (num_ranks < 1 or num_ranks > kMaxRanks)
@@ -128,6 +145,8 @@ inline MegaMoEConfig get_mega_moe_config(MmaType mma_type, int num_ranks, int nu
         throw_invalid_config_arg("num_sms", num_sms, "a positive number of SMs");
     if (max_smem_bytes <= 0)
         throw_invalid_config_arg("max_smem_bytes", max_smem_bytes, "a positive byte count (232448 on H100/H200)");
+    if (cta_pair < -1 or cta_pair > 1)
+        throw_invalid_config_arg("cta_pair", cta_pair, "-1 (the heuristic's choice), 0 or 1");
 
     MegaMoEConfig c{};
     c.mma_type = mma_type;
@@ -243,6 +262,33 @@ inline MegaMoEConfig get_mega_moe_config(MmaType mma_type, int num_ranks, int nu
                                    (2 * static_cast<int64_t>(intermediate_hidden) / c.block_n_l1 + hidden / c.block_n_l2);
     c.signals_thread = mma_type == MmaType::kFP8xFP4 and c.block_m == 64 and
                        expected_tasks >= static_cast<int64_t>(kSignalsThreadMinTasksPerSM) * num_sms;
+
+    // The CTA pair (a kernel variant of FP8 x FP4 decode with N = 64 transposed tiles, kCtaPair): two
+    // CTAs an SM, each one math warpgroup that runs both halves of a tile, so one CTA's task boundary
+    // (epilogue, signals, the next task's first stage) runs under the other's K-loop. Each CTA has
+    // half the SM's shared memory (decode FP8 x FP4: 2 stages) and every M-block runs as narrow tiles,
+    // one pass of 8 tokens after another, never split-K. Worth it where an SM runs many tasks of
+    // M-blocks of a few tokens (kCtaPairMinTasksPerSM; not where the N = 16 / 32 variant runs)
+    c.cta_pair = false;
+    const int pair_smem = min_of(max_smem_bytes, kSM90SmemPerSM / 2 - kSM90SmemReservedPerCTA);
+    const bool pair_fits = mega_moe_smem_bytes(mma_type, c.block_m, kMinStages) <= pair_smem;
+    const bool pair_ok = mega_moe_cta_pair_ok(mma_type, c.block_m, 64) and pair_fits;
+    const bool pair_wanted = expected_tasks >= static_cast<int64_t>(kCtaPairMinTasksPerSM) * num_sms and
+                             c.wide_n_min == 64;
+    if (pair_ok and (cta_pair == 1 or (cta_pair == -1 and pair_wanted))) {
+        int stages = kMaxStages;
+        while (mega_moe_smem_bytes(mma_type, c.block_m, stages) > pair_smem) --stages;   // >= kMinStages (pair_fits)
+        c.cta_pair = true;
+        c.wide_n_min = 64;   // a pair kernel has no transposed tiles (mega_moe_cta_pair_ok)
+        c.num_stages = stages;
+        c.num_prefetch_stages = min_of(c.num_prefetch_stages, stages);
+        c.num_prefetch_stages_l2 = min_of(c.num_prefetch_stages_l2, stages);
+        c.smem_bytes = mega_moe_smem_bytes(mma_type, c.block_m, stages);
+        c.smem_barriers = c.smem_bytes - stages * per_stage - c.smem_epilogue;
+        c.num_math_warpgroups = 1;
+        c.num_threads = kNumWarpgroupThreads * 2;
+        c.num_sms = 2 * num_sms;   // CTAs of the grid: two an SM
+    }
     return c;
 }
 

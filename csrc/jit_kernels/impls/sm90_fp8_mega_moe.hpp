@@ -55,6 +55,7 @@ struct SM90MegaMoEVariant {
     int block_n_l2;     // L2 task width: 128, or 256 / 512 with block_m 64 (mega_moe_l2_block_n_ok)
     int wide_n_min = 64;   // narrowest transposed wide tile: 64, or 16 / 32 for FP8 x FP4 with block_m 64 (mega_moe_wide_n_ok)
     bool signals_thread = false;   // FP8 x FP4 with block_m 64 only (mega_moe_signals_thread_ok)
+    bool cta_pair = false;         // FP8 x FP4 decode with wide_n_min 64: two CTAs an SM, one math warpgroup each
 
     void check() const {
         if (not mega_moe_l2_block_n_ok(block_m, block_n_l2))
@@ -66,6 +67,9 @@ struct SM90MegaMoEVariant {
         if (signals_thread and not mega_moe_signals_thread_ok(mma_type, block_m))
             jit::raise_invalid_argument("signals_thread: fp8xfp4 with block_m = 64 only; got block_m = ", block_m,
                                         " (mma_type ", static_cast<int>(mma_type), ")");
+        if (cta_pair and not mega_moe_cta_pair_ok(mma_type, block_m, wide_n_min))
+            jit::raise_invalid_argument("cta_pair: fp8xfp4 with block_m = 64 and wide_n_min = 64 only; got block_m = ", block_m,
+                                        ", wide_n_min = ", wide_n_min, " (mma_type ", static_cast<int>(mma_type), ")");
     }
 
     std::string name() const {
@@ -74,6 +78,7 @@ struct SM90MegaMoEVariant {
         os << "sm90_mega_moe_" << kNames[static_cast<int>(mma_type)] << "_m" << block_m << "_n" << block_n_l2
            << "_s" << num_stages << (fast_math ? "_fast" : "_exact");
         if (signals_thread) os << "_sig";
+        if (cta_pair) os << "_pair";
         if (wide_n_min != 64) os << "_w" << wide_n_min;
         if (task_log() == 1) os << "_tasklog";
         if (task_log() == 2) os << "_tasklight";
@@ -94,6 +99,7 @@ struct SM90MegaMoEVariant {
         std::ostringstream os;
         if (task_log()) os << "#define DG_MEGA_MOE_TASK_LOG " << task_log() << "\n";
         if (signals_thread) os << "#define DG_MEGA_MOE_SIGNALS_THREAD 1\n";
+        if (cta_pair) os << "#define DG_MEGA_MOE_CTA_PAIR 1\n";
         os << "#include <deep_gemm/impls/sm90_fp8_mega_moe.cuh>\n\n"
            << "DG_DEFINE_SM90_MEGA_MOE_KERNEL(sm90_mega_moe, " << mma_type_cpp_name(mma_type) << ", " << block_m << ", "
            << num_stages << ", " << (fast_math ? "true" : "false") << ", " << block_n_l2 << ", " << wide_n_min << ")\n";
@@ -104,8 +110,8 @@ struct SM90MegaMoEVariant {
     // launch does not regenerate and hash the source.
     std::filesystem::path compile() const {
         static std::mutex mutex;
-        static std::map<std::tuple<int, int, int, bool, int, int, bool>, std::filesystem::path> compiled;
-        const auto key = std::make_tuple(static_cast<int>(mma_type), block_m, num_stages, fast_math, block_n_l2, wide_n_min, signals_thread);
+        static std::map<std::tuple<int, int, int, bool, int, int, bool, bool>, std::filesystem::path> compiled;
+        const auto key = std::make_tuple(static_cast<int>(mma_type), block_m, num_stages, fast_math, block_n_l2, wide_n_min, signals_thread, cta_pair);
         std::lock_guard<std::mutex> lock(mutex);
         if (auto it = compiled.find(key); it != compiled.end())
             return it->second;
@@ -127,6 +133,7 @@ struct SM90MegaMoEArgs {
     int num_sms;                    // CTAs for this rank's launch
     int max_smem_bytes;
     bool peers_on_this_gpu = false; // every rank's buffer on this GPU (EP1, virtual ranks): gpu-scope signals
+    bool ranks_share_gpu = false;   // other ranks' kernels of the call run on this GPU at once (virtual ranks): no CTA pair
 };
 
 inline CUtensorMap make_kmajor_tma(int64_t ptr, CUtensorMapDataType dtype, uint64_t k, uint64_t rows, uint32_t box_k,
@@ -169,14 +176,23 @@ inline bool select_mega_moe_signals_thread(const MegaMoEConfig& config) {
 // The config a call launches (the heuristic's, with the L2 width, wide tiles and signals thread above) and its kernel variant
 inline std::pair<MegaMoEConfig, SM90MegaMoEVariant> select_sm90_mega_moe_variant(
         MmaType mma_type, int num_ranks, int num_experts, int num_topk, int hidden, int intermediate_hidden,
-        int num_tokens, int num_sms, int max_smem_bytes, bool fast_math) {
+        int num_tokens, int num_sms, int max_smem_bytes, bool fast_math, bool ranks_share_gpu = false) {
+    // The CTA pair: the heuristic's choice, or the tuning aid DG_MEGA_MOE_CTA_PAIR = 0 / 1 (read once per
+    // process) where the kernel has the variant; a pair kernel has no transposed tiles, so
+    // DG_MEGA_MOE_WIDE_N leaves it at 64. Not the heuristic's where ranks share the GPU (virtual
+    // ranks, `ranks_share_gpu`): every rank's persistent grid must be resident at once, and each rank
+    // picks its kernel from its own n, so a pair rank (two CTAs of half the shared memory an SM, which
+    // the block scheduler may spread one an SM) beside a one-CTA-an-SM rank could leave CTAs without an
+    // SM, waiting on each other until the spin-wait bound (seen: 4 virtual ranks, n = 64 / 7 / 0 / 1024)
+    static const int pair_override = read_env_choice("DG_MEGA_MOE_CTA_PAIR", {"0", "1"});
+    const int pair_choice = pair_override >= 0 ? pair_override : ranks_share_gpu ? 0 : -1;
     auto config = get_mega_moe_config(mma_type, num_ranks, num_experts, num_topk, hidden, intermediate_hidden,
-                                      num_tokens, num_sms, max_smem_bytes);
+                                      num_tokens, num_sms, max_smem_bytes, pair_choice);
     config.block_n_l2 = select_mega_moe_l2_block_n(config, hidden);
-    config.wide_n_min = select_mega_moe_wide_n_min(config);
+    config.wide_n_min = config.cta_pair ? 64 : select_mega_moe_wide_n_min(config);
     config.signals_thread = select_mega_moe_signals_thread(config);
     return {config, SM90MegaMoEVariant{mma_type, config.block_m, config.num_stages, fast_math, config.block_n_l2, config.wide_n_min,
-                                       config.signals_thread}};
+                                       config.signals_thread, config.cta_pair}};
 }
 
 // Compile the variant a call with these arguments launches and, with `load`, load it into the
@@ -186,10 +202,10 @@ inline std::pair<MegaMoEConfig, SM90MegaMoEVariant> select_sm90_mega_moe_variant
 // a load between two ranks' launches waits for the first rank, which waits for the second.
 inline std::string prepare_sm90_mega_moe(MmaType mma_type, int num_ranks, int num_experts, int num_topk, int hidden,
                                          int intermediate_hidden, int num_tokens, int num_sms, int max_smem_bytes,
-                                         bool fast_math, bool load) {
+                                         bool fast_math, bool load, bool ranks_share_gpu = false) {
     const auto [config, variant] = select_sm90_mega_moe_variant(mma_type, num_ranks, num_experts, num_topk, hidden,
                                                                 intermediate_hidden, num_tokens, num_sms, max_smem_bytes,
-                                                                fast_math);
+                                                                fast_math, ranks_share_gpu);
     const auto dir = variant.compile();
     if (load)
         jit::get_kernel(dir, "sm90_mega_moe").ensure_dynamic_smem(static_cast<uint32_t>(config.smem_bytes));
@@ -207,7 +223,7 @@ inline MegaMoEConfig launch_sm90_mega_moe(const SM90MegaMoEArgs& a) {
     const int num_ranks = static_cast<int>(a.buffers.size());
     const auto [config, variant] = select_sm90_mega_moe_variant(a.mma_type, num_ranks, a.num_experts, a.num_topk, a.hidden,
                                                                 a.intermediate_hidden, a.num_tokens, a.num_sms,
-                                                                a.max_smem_bytes, a.fast_math);
+                                                                a.max_smem_bytes, a.fast_math, a.ranks_share_gpu);
     print_config_if_requested(config);
     auto& kernel = jit::get_kernel(variant.compile(), "sm90_mega_moe");
 
@@ -248,7 +264,7 @@ inline MegaMoEConfig launch_sm90_mega_moe(const SM90MegaMoEArgs& a) {
     }();
     params.num_prefetch_stages = prefetch_override.first >= 0 ? std::min(prefetch_override.first, config.num_stages) : config.num_prefetch_stages;
     params.num_prefetch_stages_l2 = prefetch_override.second >= 0 ? std::min(prefetch_override.second, config.num_stages) : config.num_prefetch_stages_l2;
-    params.l1_split_max = mega_moe_l1_split_max(a.mma_type);
+    params.l1_split_max = variant.cta_pair ? 1 : mega_moe_l1_split_max(a.mma_type);
     // An FP8 x FP4 code block (8 KB, contiguous) is copied as 64 rows of 128 bytes, not as the
     // 128 weight rows of 64 bytes it holds: the same bytes land at the same shared-memory offsets
     // (unswizzled), with half the box rows for the TMA unit to walk per stage (-0.5 to -1.1 % at

@@ -52,6 +52,11 @@ constexpr int kBarrierCombineBase = 8;
 // 65536 / 384 rounded down to a multiple of 8. `setmaxnreg` only moves registers between the
 // warpgroups of this pool (a CTA's 384 x 168): an increase the pool cannot cover waits forever.
 constexpr int kLaunchRegisters = 168;
+// The CTA-pair variant (DG_MEGA_MOE_CTA_PAIR defined before this header; docs/KERNEL.md "Two CTAs
+// per SM"): one math warpgroup, 256 threads, two CTAs an SM, 128 registers a thread (Kernel::kCtaPair)
+#ifndef DG_MEGA_MOE_CTA_PAIR
+#define DG_MEGA_MOE_CTA_PAIR 0
+#endif
 // How often a spin loop looks at the global status word and the clock
 constexpr uint32_t kPollMask = 63;
 // Suspend-time hints (ns) of the waits that are mostly idle: a role waiting for its next task in
@@ -173,7 +178,15 @@ struct Kernel {
     static constexpr bool kFP4 = kMmaType == MmaType::kFP8xFP4;        // weights E2M1, expanded in smem
     static constexpr int kActBytes = activation_bytes(kMmaType);
     // Two math warpgroups: BLOCK_M = 128 gives each 64 rows; BLOCK_M = 64 splits the columns
-    static constexpr int kNumMathWGs = kMegaMoENumMathWarpgroups;
+    // The CTA pair (FP8 x FP4 decode built with DG_MEGA_MOE_CTA_PAIR): a constant of the template's
+    // parameters, so that the two-warpgroup kernels never instantiate the pair's `if constexpr` code
+    static constexpr bool kCtaPair = DG_MEGA_MOE_CTA_PAIR != 0 and kMmaType == MmaType::kFP8xFP4;
+    static_assert(DG_MEGA_MOE_CTA_PAIR == 0 or kCtaPair, "the CTA pair: FP8 x FP4 decode kernels only");
+    static constexpr int kNumMathWGs = kCtaPair ? 1 : kMegaMoENumMathWarpgroups;
+    static constexpr int kCtasPerSM = kCtaPair ? 2 : 1;
+    static constexpr int kHalves = 2 / kNumMathWGs;   // a tile's warpgroup halves one math warpgroup runs
+    static_assert(not kCtaPair or (kMmaType == MmaType::kFP8xFP4 and BLOCK_M == 64 and kWideNMin == 64),
+                  "the CTA pair: FP8 x FP4 decode kernels only, every M-block as token passes of narrow tiles");
     static constexpr bool kSplitN = BLOCK_M == 64;
     // FP8 x FP4 decode: M-blocks of more than 8 tokens run transposed (weights as register A, tokens
     // as N = BLOCK_M; transposed_l1_mainloop), not as wide tiles over an expanded E4M3 tile
@@ -217,10 +230,11 @@ struct Kernel {
     // the math warpgroups give up 8. BF16 with 128-row tiles keeps 232 (its accumulators need them:
     // 224 cost it 11 % at n = 4096, docs/PERF.md).
     static constexpr bool kMathNeedsAll = kMmaType == MmaType::kBF16xBF16 and BLOCK_M == 128;
-    static constexpr int kMathRegisters = kMathNeedsAll ? 232 : 224;
+    static constexpr int kMathRegisters = kCtaPair ? 200 : kMathNeedsAll ? 232 : 224;
     static constexpr int kProducerRegisters = kMathNeedsAll ? 40 : 56;
-    static_assert(kNumMathWGs * 128 * kMathRegisters + 128 * kProducerRegisters <= kNumThreads * kLaunchRegisters and
-                  kLaunchRegisters == 65536 / kNumThreads / 8 * 8 and kMathRegisters % 8 == 0 and kProducerRegisters % 8 == 0,
+    static constexpr int kThreadRegisters = kCtaPair ? 65536 / (kNumThreads * kCtasPerSM) / 8 * 8 : kLaunchRegisters;
+    static_assert(kNumMathWGs * 128 * kMathRegisters + 128 * kProducerRegisters <= kNumThreads * kThreadRegisters and
+                  kThreadRegisters == 65536 / (kNumThreads * kCtasPerSM) / 8 * 8 and kMathRegisters % 8 == 0 and kProducerRegisters % 8 == 0,
                   "setmaxnreg quotas within the CTA's register pool");
 
     // ------------------------------------------------------------------------------------------
@@ -952,6 +966,7 @@ struct Kernel {
         const auto* arrival = mine<uint32_t>(lay.mblock_arrival);
         const auto* l1_done = mine<uint32_t>(lay.mblock_l1_done);
         bool is_l1 = false, narrow = false;
+        [[maybe_unused]] int tok_pass = 0, tok_passes = 1;   // the CTA pair: the task's token passes (math(): the same)
         [[maybe_unused]] int a_rows = BLOCK_M;   // N = 16 / 32 transposed tiles: the A box's rows (16, 32, or BLOCK_M)
         int m = 0;
         int kb0 = 0;    // the task's first K-block (split-K L1 part q of s: q x num_kb / s)
@@ -969,7 +984,8 @@ struct Kernel {
                 if (a_rows == 16) tm_act = is_l1 ? tm.l1_act_16 : tm.l2_act_16;
                 if (a_rows == 32) tm_act = is_l1 ? tm.l1_act_32 : tm.l2_act_32;
             }
-            tma_load_2d(sm.stage_a(s), tm_act, sm.full + s, kb * BLOCK_K, m * BLOCK_M);
+            if constexpr (kCtaPair) tma_load_2d(sm.stage_a(s), tm_act, sm.full + s, kb * BLOCK_K, m * BLOCK_M + tok_pass * kNarrowRows);
+            else tma_load_2d(sm.stage_a(s), tm_act, sm.full + s, kb * BLOCK_K, m * BLOCK_M);
             if constexpr (kStageSfBytes > 0) {
                 // the M-block's activation scales of this K-block: BLOCK_M contiguous floats (pool is M-major)
                 const float* sf = mine<float>(is_l1 ? lay.l1_sf : lay.l2_sf) + static_cast<int64_t>(kb) * lay.num_pool_rows + m * BLOCK_M;
@@ -1055,7 +1071,8 @@ struct Kernel {
             // L2 task, both passes). The rule is spelled out in these three places rather than in a
             // helper: a helper reorders the SASS of the BLOCK_M = 64 kernels (measured on the CPU),
             // which would need a GPU A/B to land
-            narrow = kSplitN and valid_rows(m, le) <= kNarrowRows;
+            narrow = kSplitN and (kCtaPair or valid_rows(m, le) <= kNarrowRows);
+            if constexpr (kCtaPair) tok_pass = 0, tok_passes = pair_token_passes(valid_rows(m, le));
             uint32_t a_bytes = narrow ? kNarrowABytes : kABytes;
             if constexpr (kWideN16 or kWideN32) {   // the math's choice of N (math(): the same rule)
                 const int rows = valid_rows(m, le);
@@ -1191,6 +1208,13 @@ struct Kernel {
             }
             if (not ok) break;
             stage_iter += task_kb;
+            if constexpr (kCtaPair) {
+                if (++tok_pass < tok_passes) {   // the same B rows for the next kNarrowRows tokens (issue_a)
+                    ready = true;
+                    goto next_pass;
+                }
+                tok_pass = 0;
+            }
             if constexpr (kL2BlockN > kMegaMoEBlockNL2) {
                 if (--num_passes > 0) {   // the task's next b_rows rows; its dependency is met (ready)
                     ready = true;
@@ -1896,6 +1920,9 @@ struct Kernel {
     // tile is one 256-row B tile). Accumulator i of a thread's 4 per 64-row M tile: weight row
     // warp * 16 + lane / 4 + 8 * (i / 2) of the tile's 64, token (lane % 4) * 2 + i % 2.
     static constexpr int kNarrowRows = kMegaMoENarrowRows;
+    // The CTA pair runs every M-block as narrow tiles, one pass of kNarrowRows tokens after another
+    // (each pass a whole K loop over the task's weights; at least one, as for an empty M-block)
+    __device__ static int pair_token_passes(int rows) { return max_of(1, ceil_div(rows, kNarrowRows)); }
     struct NarrowThread {
         int r0, c0;   // weight row of accumulators 0, 1 within the warpgroup's 64; token of accumulators 0, 2
         __device__ explicit NarrowThread(const MathThread& mt) : r0(mt.warp * 16 + mt.lane / 4), c0((mt.lane % 4) * 2) {}
@@ -1951,15 +1978,17 @@ struct Kernel {
 
     // L1 on a narrow tile: gate and up of this warpgroup's 64 rows. Also returns the top-k weights
     // of this thread's two tokens (ordered after the pull's writes by the stage wait).
-    // num_kb: the task's K-blocks (all of H, or a split-K half)
-    __device__ bool narrow_l1_mainloop(int m, int num_kb, uint32_t& stage_iter, const MathThread& mt, float (&gate)[4], float (&up)[4],
-                                       float (&tok_w)[2]) {
+    // num_kb: the task's K-blocks (all of H, or a split-K half); o: the tile's first token within the
+    // M-block (the CTA pair's token passes, narrow_l1_mainloop_pair; 0 elsewhere)
+    __device__ bool narrow_l1_mainloop(int m, int num_kb, uint32_t& stage_iter, const MathThread& mt, float (&gate)[4 * kHalves],
+                                       float (&up)[4 * kHalves], float (&tok_w)[2], int o = 0) {
+        if constexpr (kCtaPair) return narrow_l1_mainloop_pair(m, num_kb, stage_iter, mt, gate, up, tok_w, o);
         const NarrowThread nt(mt);
         const uint32_t gate_offset = mt.wg * 64 * 128, up_offset = gate_offset + 128 * 128;
         // Read after the loop (ordered after the pull's writes by the first stage wait): two
         // predicated loads inside it cost every K-block, not only the first (FP8 x FP4 decode
         // -1.3 to -1.9 % at v4-flash n = 8 / 128; a model of the loop: +11 %; docs/PERF.md, session 24)
-        const float* tok_w_src = narrow_token_weights(m, nt);
+        const float* tok_w_src = narrow_token_weights(m, nt) + o;
         [[maybe_unused]] const uint32_t table = kFP4 ? opaque_u32(smem_addr(sm.fp4_table)) : 0u;   // once per task
         const auto read_token_weights = [&] { tok_w[0] = __ldcg(tok_w_src), tok_w[1] = __ldcg(tok_w_src + 1); };
         #pragma unroll
@@ -1971,7 +2000,7 @@ struct Kernel {
             const uint64_t dg = mma::make_k_major_sw128_desc(sm.mma_b(s, stage_iter) + gate_offset);
             const uint64_t du = mma::make_k_major_sw128_desc(sm.mma_b(s, stage_iter) + up_offset);
             if constexpr (kFP8) {
-                const float sa0 = sm.token_sf(s, nt.c0), sa1 = sm.token_sf(s, nt.c0 + 1);
+                const float sa0 = sm.token_sf(s, o + nt.c0), sa1 = sm.token_sf(s, o + nt.c0 + 1);
                 const float sg = sm.weight_sf(s, 0), su = sm.weight_sf(s, 1);
                 float part_g[4], part_u[4];
                 FP4Fragments ag, au;     // FP8 x FP4: A fragments of gate (row block 0) and up (row block 1)
@@ -2012,6 +2041,57 @@ struct Kernel {
         return true;
     }
 
+    // The CTA pair's narrow L1 loop (FP8 x FP4, one math warpgroup): both warpgroup halves of the
+    // tile, gate / up rows 64 h of each row block into accumulators [4 h, 4 h + 4); all four M tiles
+    // expanded and issued before one wait. Tokens o + [0, 8) of the M-block.
+    __device__ bool narrow_l1_mainloop_pair(int m, int num_kb, uint32_t& stage_iter, const MathThread& mt, float (&gate)[4 * kHalves],
+                                            float (&up)[4 * kHalves], float (&tok_w)[2], int o) {
+        static_assert(kFP4 and kHalves == 2);
+        const NarrowThread nt(mt);
+        const float* tok_w_src = narrow_token_weights(m, nt) + o;   // read after the loop, as narrow_l1_mainloop
+        const uint32_t table = opaque_u32(smem_addr(sm.fp4_table));   // once per task
+        #pragma unroll
+        for (int i = 0; i < 4 * kHalves; ++i) gate[i] = up[i] = 0.0f;
+        for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
+            if (not wait_full_l1(kb, stage_iter, mt)) return false;
+            const int s = stage_iter % kNumStages;
+            const uint64_t dt = mma::make_k_major_sw128_desc(sm.stage_a(s));
+            const float sa0 = sm.token_sf(s, o + nt.c0), sa1 = sm.token_sf(s, o + nt.c0 + 1);
+            const float sg = sm.weight_sf(s, 0), su = sm.weight_sf(s, 1);
+            float part_g[kHalves][4], part_u[kHalves][4];
+            FP4Fragments ag[kHalves], au[kHalves];     // A fragments of gate (row block 0) and up (row block 1)
+            FP4Rows rg[kHalves], ru[kHalves];
+            #pragma unroll
+            for (int h = 0; h < kHalves; ++h) mma::fence_operands(part_g[h]), mma::fence_operands(part_u[h]);
+            #pragma unroll
+            for (int h = 0; h < kHalves; ++h)
+                narrow_fp4_load(s, h * 64, mt, rg[h], table), narrow_fp4_load(s, 128 + h * 64, mt, ru[h], table);
+            // each M tile's wgmmas run while the next one's fragments are expanded
+            #pragma unroll
+            for (int h = 0; h < kHalves; ++h) {
+                narrow_fp4_k_block(rg[h], ag[h], dt, part_g[h], table);
+                narrow_fp4_k_block(ru[h], au[h], dt, part_u[h], table);
+            }
+            mma::warpgroup_commit();
+            mma::warpgroup_wait<0>();
+            #pragma unroll
+            for (int h = 0; h < kHalves; ++h) {
+                mma::fence_operands(part_g[h]), mma::fence_operands(part_u[h]);
+                mma::fence_fragments(ag[h]), mma::fence_fragments(au[h]);
+            }
+            release_stage(stage_iter, mt); trace_l1_release(kb, mt);
+            #pragma unroll
+            for (int h = 0; h < kHalves; ++h)
+                #pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    gate[4 * h + i] += part_g[h][i] * ((i & 1) ? sa1 * sg : sa0 * sg);
+                    up[4 * h + i] += part_u[h][i] * ((i & 1) ? sa1 * su : sa0 * su);
+                }
+        }
+        tok_w[0] = __ldcg(tok_w_src), tok_w[1] = __ldcg(tok_w_src + 1);
+        return true;
+    }
+
     // Split-K L1 (both math warpgroups, after K part `part` of `split` of tile `tile`): write this
     // part's partial sums, count the part in; the last part to finish sums all parts and returns
     // true (it runs the epilogue), the others return false. Nobody waits: a part's partials are out
@@ -2019,7 +2099,7 @@ struct Kernel {
     // acquire of the count orders its reads after every other part's stores. The sum runs in part
     // order (part 0 + part 1 + ...) whichever CTA is last, so calls stay bitwise repeatable. The
     // last part resets the counter for the next call.
-    static_assert(L::kSplitPartialFloats == kNumMathThreads * 8, "split partials: gate[4] + up[4] per math thread");
+    static_assert(kCtaPair or L::kSplitPartialFloats == kNumMathThreads * 8, "split partials: gate[4] + up[4] per math thread");
     __device__ bool split_l1_exchange(int tile, int part, int split, const MathThread& mt, float (&gate)[4], float (&up)[4]) {
         const int thread = mt.wg * 128 + mt.tid;
         float4* partials = reinterpret_cast<float4*>(mine<float>(lay.split_partials) +
@@ -2061,25 +2141,26 @@ struct Kernel {
     // over the block's 128 columns (this thread's rows, the warp's by shuffles, the 8 math warps'
     // through shared memory), quantization (the same arithmetic as the wide tile), and the token
     // rows into the L2 pool. Token rows of the staging tile span both warpgroups' columns.
-    __device__ void narrow_l1_epilogue(int m, int j, int num_rows, const MathThread& mt, const float (&gate)[4], const float (&up)[4],
-                                       const float (&tok_w)[2]) {
+    // o: the tile's first token within the M-block; last: the task's last token pass (it signals)
+    __device__ void narrow_l1_epilogue(int m, int j, int num_rows, const MathThread& mt, const float (&gate)[4 * kHalves],
+                                       const float (&up)[4 * kHalves], const float (&tok_w)[2], int o = 0, bool last = true) {
         const NarrowThread nt(mt);
         const float clamp = p.activation_clamp;
         uint8_t* tile = sm.epilogue;    // row t: token t's 128 columns of the block
-        float act[4], amax[2] = {0.0f, 0.0f};
+        float act[4 * kHalves], amax[2] = {0.0f, 0.0f};
         #pragma unroll
-        for (int i = 0; i < 4; ++i) {
+        for (int i = 0; i < 4 * kHalves; ++i) {
             const float gt = fminf(gate[i], clamp);
             const float u = fminf(fmaxf(up[i], -clamp), clamp);
             act[i] = silu<kFastMath>(gt) * u;   // x the top-k weight below: (silu x u) x w
         }
-        const int col = mt.wg * 64;     // this warpgroup's first column of the block
+        const int col = mt.wg * 64;     // this warpgroup's first column of the block (the pair: + 64 h)
         if constexpr (kFP8) {
             // The amax is taken before the top-k weight, a token's one factor: max |act x w| =
             // max |act| x |w| exactly (rounding is monotonic), so the weight's load (after the
             // K-loop) is first needed after the exchange below, not before it
             #pragma unroll
-            for (int i = 0; i < 4; ++i) amax[i % 2] = fmaxf(amax[i % 2], fabsf(act[i]));
+            for (int i = 0; i < 4 * kHalves; ++i) amax[i % 2] = fmaxf(amax[i % 2], fabsf(act[i]));
             // lanes of equal lane % 4 hold the same tokens
             #pragma unroll
             for (int t = 0; t < 2; ++t)
@@ -2103,22 +2184,26 @@ struct Kernel {
             #pragma unroll
             for (int t = 0; t < 2; ++t) a[t] = fmaxf(amax[t] * fabsf(tok_w[t]), 1e-10f), inv[t] = __fdiv_rn(448.0f, a[t]);
             #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const __nv_fp8_storage_t q = __nv_cvt_float_to_fp8((act[i] * tok_w[i % 2]) * inv[i % 2], __NV_SATFINITE, __NV_E4M3);
-                tile[nt.token(i) * kMegaMoEEpilogueRowBytes + col + nt.row(i)] = q;
-            }
+            for (int h = 0; h < kHalves; ++h)
+                #pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const __nv_fp8_storage_t q = __nv_cvt_float_to_fp8((act[4 * h + i] * tok_w[i % 2]) * inv[i % 2], __NV_SATFINITE, __NV_E4M3);
+                    tile[nt.token(i) * kMegaMoEEpilogueRowBytes + col + 64 * h + nt.row(i)] = q;
+                }
             if (mt.wg == 0 and mt.warp == 0 and mt.lane < 4) {
                 #pragma unroll
                 for (int t = 0; t < 2; ++t)
                     if (nt.c0 + t < num_rows)
-                        mine<float>(lay.l2_sf)[static_cast<int64_t>(j) * lay.num_pool_rows + static_cast<int64_t>(m) * BLOCK_M + nt.c0 + t] =
+                        mine<float>(lay.l2_sf)[static_cast<int64_t>(j) * lay.num_pool_rows + static_cast<int64_t>(m) * BLOCK_M + o + nt.c0 + t] =
                             __fdiv_rn(a[t], 448.0f);
             }
         } else {
             #pragma unroll
-            for (int i = 0; i < 4; ++i)
-                *reinterpret_cast<__nv_bfloat16*>(tile + nt.token(i) * kMegaMoEEpilogueRowBytes + (col + nt.row(i)) * 2) =
-                    __float2bfloat16_rn(act[i] * tok_w[i % 2]);
+            for (int h = 0; h < kHalves; ++h)
+                #pragma unroll
+                for (int i = 0; i < 4; ++i)
+                    *reinterpret_cast<__nv_bfloat16*>(tile + nt.token(i) * kMegaMoEEpilogueRowBytes + (col + 64 * h + nt.row(i)) * 2) =
+                        __float2bfloat16_rn(act[4 * h + i] * tok_w[i % 2]);
         }
         named_barrier(kBarrierMathAll, kNumMathThreads);
         // 16-byte chunks of the token rows into the L2 pool, over all math threads
@@ -2127,7 +2212,7 @@ struct Kernel {
         auto* l2_act = mine<uint8_t>(lay.l2_act);
         if (thread < num_rows * kChunks) {
             const int t = thread / kChunks, c = (thread % kChunks) * 16;
-            const int64_t g = static_cast<int64_t>(m) * BLOCK_M + t;
+            const int64_t g = static_cast<int64_t>(m) * BLOCK_M + o + t;
             *reinterpret_cast<int4*>(l2_act + (g * lay.intermediate_hidden + j * 128) * kActBytes + c) =
                 *reinterpret_cast<const int4*>(tile + t * kMegaMoEEpilogueRowBytes + c);
         }
@@ -2135,19 +2220,23 @@ struct Kernel {
         // warpgroup after the barrier (the L2 dependency counts kNumMathWGs per L1 task)
         fence_proxy_async_global();
         named_barrier(kBarrierMathAll, kNumMathThreads);
-        if (mt.tid == 0) signal_l1_done(m);
+        if (last and mt.tid == 0) signal_l1_done(m);
     }
 
     // L2 on a narrow tile of kL2PassN output columns (one pass of the task): warpgroup w runs the kL2Tiles 64-row wgmma M
     // tiles [kL2Tiles w, kL2Tiles w + kL2Tiles) of the B tile (128 wide: its 64 of the 128 columns;
     // 256 wide: both halves of row block w, whose weight scale is stage float w). acc: 4 per tile.
-    __device__ bool narrow_l2_mainloop(uint32_t& stage_iter, const MathThread& mt, float (&acc)[4 * kL2Tiles]) {
+    // The CTA pair (kHalves = 2): the one math warpgroup runs both warpgroups' tiles, accumulators
+    // [4 kL2Tiles h, 4 kL2Tiles (h + 1)) those of half h
+    // o: the tile's first token within the M-block (the pair's token passes; 0 elsewhere)
+    __device__ bool narrow_l2_mainloop(uint32_t& stage_iter, const MathThread& mt, float (&acc)[4 * kL2Tiles * kHalves], int o = 0) {
         const NarrowThread nt(mt);
         const int num_kb = lay.intermediate_hidden / BLOCK_K;
         const uint32_t b_offset = mt.wg * kL2Tiles * 64 * 128;
         [[maybe_unused]] const uint32_t table = kFP4 ? opaque_u32(smem_addr(sm.fp4_table)) : 0u;   // once per task
         #pragma unroll
-        for (int i = 0; i < 4 * kL2Tiles; ++i) acc[i] = 0.0f;
+        for (int i = 0; i < 4 * kL2Tiles * kHalves; ++i) acc[i] = 0.0f;
+        if constexpr (kCtaPair) return narrow_l2_mainloop_pair(stage_iter, mt, acc, num_kb, table, o);
         for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
             if (not wait_full(stage_iter)) return false;
             const int s = stage_iter % kNumStages;
@@ -2196,6 +2285,52 @@ struct Kernel {
         }
         return true;
     }
+    // The CTA pair's narrow L2 loop (FP8 x FP4): M tiles t of half h at B rows (kL2Tiles h + t) 64,
+    // all expanded and issued before one wait
+    __device__ bool narrow_l2_mainloop_pair(uint32_t& stage_iter, const MathThread& mt, float (&acc)[4 * kL2Tiles * kHalves], int num_kb,
+                                            uint32_t table, int o) {
+        const NarrowThread nt(mt);
+        for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
+            if (not wait_full(stage_iter)) return false;
+            const int s = stage_iter % kNumStages;
+            const uint64_t dt = mma::make_k_major_sw128_desc(sm.stage_a(s));
+            // the stage's scales are read before its release (the producer refills it after that)
+            float s0[kHalves], s1[kHalves];
+            #pragma unroll
+            for (int h = 0; h < kHalves; ++h) {
+                const float sb = sm.weight_sf(s, kL2Tiles == 2 ? h : 0);
+                s0[h] = sm.token_sf(s, o + nt.c0) * sb, s1[h] = sm.token_sf(s, o + nt.c0 + 1) * sb;
+            }
+            float part[kHalves][4 * kL2Tiles];
+            FP4Fragments ab[kHalves][kL2Tiles];
+            FP4Rows r[kHalves][kL2Tiles];
+            #pragma unroll
+            for (int h = 0; h < kHalves; ++h) mma::fence_operands(part[h]);
+            #pragma unroll
+            for (int h = 0; h < kHalves; ++h)
+                #pragma unroll
+                for (int t = 0; t < kL2Tiles; ++t) narrow_fp4_load(s, (h * kL2Tiles + t) * 64, mt, r[h][t], table);
+            #pragma unroll
+            for (int h = 0; h < kHalves; ++h)
+                #pragma unroll
+                for (int t = 0; t < kL2Tiles; ++t) narrow_fp4_k_block(r[h][t], ab[h][t], dt, *reinterpret_cast<float (*)[4]>(part[h] + 4 * t), table);
+            mma::warpgroup_commit();
+            mma::warpgroup_wait<0>();
+            #pragma unroll
+            for (int h = 0; h < kHalves; ++h) {
+                mma::fence_operands(part[h]);
+                #pragma unroll
+                for (int t = 0; t < kL2Tiles; ++t) mma::fence_fragments(ab[h][t]);
+            }
+            release_stage(stage_iter, mt);
+            #pragma unroll
+            for (int h = 0; h < kHalves; ++h)
+                #pragma unroll
+                for (int i = 0; i < 4 * kL2Tiles; ++i) acc[4 * kL2Tiles * h + i] += part[h][i] * ((i & 1) ? s1[h] : s0[h]);
+        }
+        return true;
+    }
+
     // One K-block of the kL2Tiles wgmma M tiles (64 B rows each, consecutive in the B tile)
     template <typename Mma>
     __device__ static void narrow_l2_fma(uint64_t db, uint64_t dt, float (&d)[4 * kL2Tiles], bool accumulate) {
@@ -2211,29 +2346,36 @@ struct Kernel {
     // warpgroup stages and copies its own kL2Tiles x 64 columns of every token row (staging rows
     // of kL2PassN BF16 + 16 bytes). `j`: the pass's kL2PassN-column block of H; last_pass: the
     // task's last pass (a 512-wide task has two), which signals the task done.
-    __device__ void narrow_l2_epilogue(int m, int j, int num_rows, const MathThread& mt, const float (&acc)[4 * kL2Tiles], bool last_pass = true) {
+    __device__ void narrow_l2_epilogue(int m, int j, int num_rows, const MathThread& mt, const float (&acc)[4 * kL2Tiles * kHalves],
+                                       bool last_pass = true, int o = 0) {
         const NarrowThread nt(mt);
         constexpr int kRowBytes = kL2PassN * 2 + 16;
         static_assert(kNarrowRows * kRowBytes <= BLOCK_M * kMegaMoEEpilogueRowBytes, "staging rows fit the epilogue tile");
         uint8_t* tile = sm.epilogue;
         const int col = mt.wg * kL2Tiles * 64;
         #pragma unroll
-        for (int t = 0; t < kL2Tiles; ++t)
+        for (int t = 0; t < kL2Tiles * kHalves; ++t)
             #pragma unroll
             for (int i = 0; i < 4; ++i)
                 *reinterpret_cast<__nv_bfloat16*>(tile + nt.token(i) * kRowBytes + (col + t * 64 + nt.row(i)) * 2) = __float2bfloat16_rn(acc[4 * t + i]);
         named_barrier(kBarrierMathBase + mt.wg, 128);
-        constexpr int kChunks = kL2Tiles * 64 * 2 / 16;
-        static_assert(kNarrowRows * kChunks <= 128, "one 16-byte chunk per thread");
-        if (mt.tid < num_rows * kChunks) {
-            const int t = mt.tid / kChunks, c = col * 2 + (mt.tid % kChunks) * 16;
-            const int info = __ldcg(mine<int>(lay.row_info) + static_cast<int64_t>(m) * BLOCK_M + t);
+        constexpr int kChunks = kL2Tiles * kHalves * 64 * 2 / 16;   // this warpgroup's columns of a token row
+        static_assert(kCtaPair or kNarrowRows * kChunks <= 128, "one 16-byte chunk per thread");
+        const auto copy_chunk = [&](int q) {
+            const int t = q / kChunks, c = col * 2 + (q % kChunks) * 16;
+            const int info = __ldcg(mine<int>(lay.row_info) + static_cast<int64_t>(m) * BLOCK_M + o + t);
             if (info >= 0) {
                 const int n_max = lay.num_max_tokens_per_rank, topk = lay.num_topk;
                 const int src = info / (n_max * topk), token = (info % (n_max * topk)) / topk, k = info % topk;
                 auto* dst = peer<uint8_t>(src, lay.combine) + ((static_cast<int64_t>(k) * n_max + token) * lay.hidden + j * kL2PassN) * 2 + c;
                 *reinterpret_cast<int4*>(dst) = *reinterpret_cast<const int4*>(tile + t * kRowBytes + c);
             }
+        };
+        // the pair: both halves' columns, up to two chunks a thread; else one chunk a thread at most
+        if constexpr (kCtaPair) {
+            for (int q = mt.tid; q < num_rows * kChunks; q += 128) copy_chunk(q);
+        } else if (mt.tid < num_rows * kChunks) {
+            copy_chunk(mt.tid);
         }
         end_l2_pass(mt, last_pass);
     }
@@ -2361,7 +2503,7 @@ struct Kernel {
             #pragma unroll
             for (int d = 4; d < 32; d *= 2) amax[k] = fmaxf(amax[k], __shfl_xor_sync(0xffffffff, amax[k], d));
         constexpr int kXchg = 128;
-        static_assert(kNumMathWGs * 4 == 8 and kXchg + 8 * 4 <= kMegaMoEEpilogueRowBytes and kMegaMoEEpilogueRowBytes % 16 == 0 and
+        static_assert((kCtaPair or kNumMathWGs * 4 == 8) and kXchg + 8 * 4 <= kMegaMoEEpilogueRowBytes and kMegaMoEEpilogueRowBytes % 16 == 0 and
                       BLOCK_M * kMegaMoEEpilogueRowBytes <= mega_moe_epilogue_smem_bytes(kMmaType, BLOCK_M),
                       "a token's 8 warp maxima: two 16-byte loads inside its staging row, 64 rows in the epilogue tile");
         const uint32_t xchg = smem_addr(tile) + kXchg;
@@ -2653,13 +2795,32 @@ struct Kernel {
                 if (mt.tid == 0) trace(kTraceL1Begin, true);
                 const int le = expert_of_mblock(m), rows = valid_rows(m, le);
                 if (kTaskLog and mt.tracer) log_task_id(mt, kTaskKindL1, rows, t);
+                if constexpr (kCtaPair) {
+                    // Token passes of 8 (the producer streams the same passes), never split (the host:
+                    // l1_split_max 1); only the last pass signals the M-block's L1 count
+                    float gate[4 * kHalves], up[4 * kHalves], tok_w[2];
+                    const int passes = pair_token_passes(rows);
+                    bool ok = true;
+                    for (int q = 0; q < passes; ++q) {
+                        const int o = q * kNarrowRows;
+                        ok = narrow_l1_mainloop(m, lay.hidden / BLOCK_K, stage_iter, mt, gate, up, tok_w, o) and not task_stages_dead(stage_iter);
+                        if (not ok) break;
+                        log_task(mt, kTaskStampLoopEnd);
+                        narrow_l1_epilogue(m, j, min_of(kNarrowRows, rows - o), mt, gate, up, tok_w, o, q == passes - 1);
+                    }
+                    if (not ok) break;
+                    if (mt.tid == 0 and mt.wg == 0) trace(kTraceL1End);
+                    if (kTaskLog and mt.tracer) log_task(mt, kTaskStampEnd);
+                    continue;
+                }
                 if (kSplitN and rows <= kNarrowRows) {   // the producer applies the same rule (scheduler)
-                    float gate[4], up[4], tok_w[2];
+                    float gate[4 * kHalves], up[4 * kHalves], tok_w[2];
                     const int task_kb = lay.hidden / BLOCK_K / tasks.l1_split;
                     if (not narrow_l1_mainloop(m, task_kb, stage_iter, mt, gate, up, tok_w) or task_stages_dead(stage_iter)) break;
                     log_task(mt, kTaskStampLoopEnd);
                     // split-K: only the tile's last finisher (sum of all parts) runs the epilogue
-                    if (tasks.l1_split == 1 or split_l1_exchange(tile, idx % tasks.l1_split, tasks.l1_split, mt, gate, up))
+                    if (tasks.l1_split == 1 or split_l1_exchange(tile, idx % tasks.l1_split, tasks.l1_split, mt,
+                                                                 *reinterpret_cast<float (*)[4]>(gate), *reinterpret_cast<float (*)[4]>(up)))
                         narrow_l1_epilogue(m, j, rows, mt, gate, up, tok_w);
                 } else if constexpr (kTransposedWide and (kWideN16 or kWideN32)) {
                     // Never split (as the wide loop below): all of H's K-blocks; N by the tokens
@@ -2693,8 +2854,28 @@ struct Kernel {
                 if (mt.tid == 0) trace(kTraceL2Begin, true);
                 const int le = expert_of_mblock(m), rows = valid_rows(m, le);
                 if (kTaskLog and mt.tracer) log_task_id(mt, kTaskKindL2, rows, t);
+                if constexpr (kCtaPair) {
+                    // per weight pass (a 512-wide task: two) the token passes of 8, as the producer;
+                    // only the last of all signals the task done
+                    float narrow_acc[4 * kL2Tiles * kHalves];
+                    const int passes = pair_token_passes(rows);
+                    bool ok = true;
+                    for (int pass = 0; pass < kL2Passes and ok; ++pass)
+                        for (int q = 0; q < passes; ++q) {
+                            const int o = q * kNarrowRows;
+                            ok = narrow_l2_mainloop(stage_iter, mt, narrow_acc, o) and not task_stages_dead(stage_iter);
+                            if (not ok) break;
+                            log_task(mt, kTaskStampLoopEnd);
+                            narrow_l2_epilogue(m, kL2Passes * j + pass, min_of(kNarrowRows, rows - o), mt, narrow_acc,
+                                               pass == kL2Passes - 1 and q == passes - 1, o);
+                        }
+                    if (not ok) break;
+                    if (mt.tid == 0) trace(kTraceL2End);
+                    if (kTaskLog and mt.tracer) log_task(mt, kTaskStampEnd);
+                    continue;
+                }
                 if (kSplitN and rows <= kNarrowRows) {   // the producer applies the same rule (scheduler)
-                    float narrow_acc[4 * kL2Tiles];
+                    float narrow_acc[4 * kL2Tiles * kHalves];
                     // One pass (128 / 256 wide) written out, not as the loop's one trip: the loop form
                     // changes the SASS of every 128- and 256-wide decode kernel (checked on the CPU in
                     // session 29), which the H200 has measured in this form; the same for the two
@@ -2919,7 +3100,8 @@ struct Kernel {
 
 // The JIT runtime instantiates this with the config chosen by the heuristics
 #define DG_DEFINE_SM90_MEGA_MOE_KERNEL(NAME, MMA_TYPE, BLOCK_M, NUM_STAGES, FAST_MATH, L2_BLOCK_N, WIDE_N_MIN)        \
-    extern "C" __global__ void __launch_bounds__(deep_gemm::sm90_mega_moe::Kernel<MMA_TYPE, BLOCK_M, NUM_STAGES, FAST_MATH, L2_BLOCK_N, WIDE_N_MIN>::kNumThreads, 1) \
+    extern "C" __global__ void __launch_bounds__(deep_gemm::sm90_mega_moe::Kernel<MMA_TYPE, BLOCK_M, NUM_STAGES, FAST_MATH, L2_BLOCK_N, WIDE_N_MIN>::kNumThreads, \
+                                                 deep_gemm::sm90_mega_moe::Kernel<MMA_TYPE, BLOCK_M, NUM_STAGES, FAST_MATH, L2_BLOCK_N, WIDE_N_MIN>::kCtasPerSM) \
     NAME(const __grid_constant__ deep_gemm::MegaMoEParams params, const __grid_constant__ CUtensorMap tm_l1_act,       \
          const __grid_constant__ CUtensorMap tm_l1_w, const __grid_constant__ CUtensorMap tm_l2_act,                   \
          const __grid_constant__ CUtensorMap tm_l2_w, const __grid_constant__ CUtensorMap tm_l1_act_narrow,            \
