@@ -272,3 +272,49 @@ def test_task_log_variant_compiles_apart(requires_nvcc):
     env['DG_MEGA_MOE_TASK_LOG'] = 'yes'
     run = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode != 0 and 'DG_MEGA_MOE_TASK_LOG' in run.stderr, run.stderr[-2000:]
+
+
+def _stage_reads_after_release(source):
+    """(line of the release, name, line of the read) for every read of a ring stage after a math
+    loop's `release_stage(...)` and before the end of the block it sits in (its K-block's body)."""
+    import re
+    code = re.sub(r'//[^\n]*', lambda m: ' ' * len(m.group(0)), source)   # comments out, offsets kept
+    reads = re.compile(r'\b(token_sf|weight_sf|stage_sf|stage_deltas|stage_a|stage_b|mma_b|wide_token_sf|narrow_fp4_load|'
+                       r'narrow_fp4_k_block|wide_fp4_k_block_pair|fma_k_block|narrow_l2_fma)\s*\(')
+    found = []
+    for call in re.finditer(r'(?<![\w:])release_stage\(', code):
+        if re.match(r'\s*uint32_t', code[call.end():]):   # the definition
+            continue
+        depth, i = 0, call.end()
+        while i < len(code) and not (code[i] == '}' and depth == 0):
+            depth += {'{': 1, '}': -1}.get(code[i], 0)
+            i += 1
+        line = code.count('\n', 0, call.start()) + 1
+        found += [(line, r.group(1), code.count('\n', 0, call.end() + r.start()) + 1) for r in reads.finditer(code, call.end(), i)]
+    return found
+
+
+def test_no_stage_read_after_its_release():
+    # A math loop releases its stage (the empty mbarrier) once every read of it is done: the producer
+    # may refill it at once. Session 33: the CTA pair's narrow L2 loop read the stage's scales after
+    # the release; with its 2 stages the producer could win (calc_diff 6.7e-03 under racecheck's
+    # timing, right natively, so the GPU suite passed). Source-level: every release in the kernel
+    # is the last stage access of its K-block's body
+    path = os.path.join(ROOT, 'deep_gemm', 'include', 'deep_gemm', 'impls', 'sm90_fp8_mega_moe.cuh')
+    with open(path) as f:
+        source = f.read()
+    assert source.count('release_stage(') >= 10, 'the kernel releases its stages through release_stage'
+    assert _stage_reads_after_release(source) == []
+    # the check itself: the session-33 form of the pair's L2 loop is caught
+    bad = source.replace('''            release_stage(stage_iter, mt);
+            #pragma unroll
+            for (int h = 0; h < kHalves; ++h)
+                #pragma unroll
+                for (int i = 0; i < 4 * kL2Tiles; ++i) acc[4 * kL2Tiles * h + i] += part[h][i] * ((i & 1) ? s1[h] : s0[h]);''',
+                         '''            release_stage(stage_iter, mt);
+            for (int h = 0; h < kHalves; ++h) {
+                const float sb = sm.weight_sf(s, kL2Tiles == 2 ? h : 0);
+                const float s0 = sm.token_sf(s, o + nt.c0) * sb;
+            }''')
+    assert bad != source, 'the pair L2 loop changed: update this check'
+    assert [name for _, name, _ in _stage_reads_after_release(bad)] == ['weight_sf', 'token_sf']
