@@ -151,7 +151,7 @@ def make_row(mma_type: str, shape: MoEShape, n: int, ep: int, status: str = 'ok'
         experts=shape.num_experts, topk=shape.num_topk, ep=ep, n=n, tokens=n * ep, routed_pairs=None,
         experts_touched=None, fused_us=None, fused_timing=None, tflops=None, hbm_gbs=None, pct_roofline=None,
         roofline_us=None, flops=None, weight_bytes=None, act_bytes=None, baseline=None, baseline_us=None,
-        baseline_timing=None, speedup=None, diff=None, status=status, note='')
+        baseline_timing=None, speedup=None, diff=None, kernel=None, status=status, note='')
     unknown = set(fields) - set(row)
     if unknown:
         raise KeyError(f'unknown row fields: {sorted(unknown)}')
@@ -246,6 +246,16 @@ def _baseline_for(mma_type: str, weights) -> TorchMoEBaseline:
                             weight_format=mma_type)
 
 
+def kernel_name(mma_type: str, shape: MoEShape, n: int, ep: int, num_sms: int, max_smem: int, shares_gpu: bool) -> str:
+    """The kernel variant a rank of n tokens launches (the C++ launcher's choice, its env overrides
+    included): `sm90_mega_moe_<format>_m<BLOCK_M>_n<L2 width>_s<stages>_<fast|exact>` and the
+    variant's suffixes (`_sig` signals thread, `_pair` CTA pair, `_w16` / `_w32` transposed tiles)."""
+    from . import _C
+    from .mega.buffer import mma_type_to_int
+    return _C.get_mega_moe_kernel_variant(mma_type_to_int(mma_type), ep, shape.num_experts, shape.num_topk, shape.hidden,
+                                          shape.intermediate, n, num_sms, max_smem, True, shares_gpu)['name']
+
+
 def bench_row(mma_type: str, shape: MoEShape, n: int, ep: int, weights, buffers, baseline: TorchMoEBaseline,
               streams, reps: int, flush, seed: int) -> Dict[str, object]:
     """Time the fused kernel and the baseline on one fresh random routing of n tokens per rank."""
@@ -269,6 +279,12 @@ def bench_row(mma_type: str, shape: MoEShape, n: int, ep: int, weights, buffers,
             buf.check()
         fused = torch.cat(ys)
         fields.update(fused_us=timing.us, fused_timing=timing.how)
+        buf = buffers[0]
+        if torch.device(buf.device).type == 'cuda':   # rank 0's kernel (the JSON's `kernel`)
+            from .mega import launch
+            device = torch.device(buf.device)
+            num_sms = getattr(buf, 'num_sms', None) or torch.cuda.get_device_properties(device).multi_processor_count
+            fields['kernel'] = kernel_name(mma_type, shape, n, ep, num_sms, launch._max_smem(device), launch.ranks_share_gpu(buf))
     except NotImplementedError as e:
         fields['status'] = NOT_BUILT
         notes.append(_error_text(e))

@@ -448,3 +448,17 @@ def test_l2_flusher_modes():
     assert int(r.buffer.sum()) == 3 * 1024 and int(r.sink) == 3 * 1024
     with pytest.raises(ValueError, match='mode'):
         bu.L2Flusher(torch.device('cpu'), num_bytes=4096, mode='evict')
+
+
+def test_rows_name_the_kernel_they_ran():
+    # The JSON's `kernel`: the variant rank 0 launched, from the launcher's own choice (so a sweep shows
+    # where the heuristic switched kernels): v4-flash FP8 x FP4 at 8 tokens on a whole H200 is the CTA
+    # pair, at one token the two-warpgroup kernel; the same n on virtual ranks never the pair
+    row = bench.make_row('fp8xfp8', bench.SHAPES['mid'], 1, 1)
+    assert 'kernel' in row and row['kernel'] is None   # not run: no kernel named
+    v4 = bench.SHAPES['v4-flash']
+    assert bench.kernel_name('fp8xfp4', v4, 8, 1, 132, 232448, False).endswith('_pair')
+    one = bench.kernel_name('fp8xfp4', v4, 1, 1, 132, 232448, False)
+    assert one.startswith('sm90_mega_moe_fp8xfp4_m64_') and '_pair' not in one
+    assert '_pair' not in bench.kernel_name('fp8xfp4', bench.SHAPES['mid'], 32, 2, 66, 232448, True)
+    assert bench.kernel_name('bf16xbf16', bench.SHAPES['mid'], 4096, 1, 132, 232448, False).startswith('sm90_mega_moe_bf16xbf16_m128_')
