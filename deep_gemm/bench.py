@@ -281,10 +281,11 @@ def bench_row(mma_type: str, shape: MoEShape, n: int, ep: int, weights, buffers,
         fields.update(fused_us=timing.us, fused_timing=timing.how)
         buf = buffers[0]
         if torch.device(buf.device).type == 'cuda':   # rank 0's kernel (the JSON's `kernel`)
+            from . import _C
             from .mega import launch
-            device = torch.device(buf.device)
-            num_sms = getattr(buf, 'num_sms', None) or torch.cuda.get_device_properties(device).multi_processor_count
-            fields['kernel'] = kernel_name(mma_type, shape, n, ep, num_sms, launch._max_smem(device), launch.ranks_share_gpu(buf))
+            num_sms = getattr(buf, 'num_sms', None) or _C.get_num_sms()   # as launch_mega_moe
+            fields['kernel'] = kernel_name(mma_type, shape, n, ep, num_sms, launch._max_smem(torch.device(buf.device)),
+                                           launch.ranks_share_gpu(buf))
     except NotImplementedError as e:
         fields['status'] = NOT_BUILT
         notes.append(_error_text(e))

@@ -512,20 +512,29 @@ def test_signals_thread_choice(fmt, hidden, inter, experts, topk, n, on):
 _V4_FP4_N8 = (MMA_TYPES['fp8xfp4'], 1, 256, 6, 4096, 2048, 8, H200_SMS)
 
 
-@pytest.mark.parametrize('override, on', [
-    (None, [False, True, False]),   # the heuristic's: v4-flash FP4 n = 1 / 8, FP8
-    ('1', [True, True, False]),     # not where the kernel cannot have one (FP8)
-    ('0', [False, False, False]),
-])
-def test_launched_kernel_has_the_signals_thread(override, on):
+def _launched_kernel_kind(env, override, key, suffix, on):
+    """The variants launch_mega_moe picks for v4-flash FP4 n = 1 / 8 and FP8 n = 1 under `env` = override
+    (a child: read once per process); each variant with `key` on is a kernel of its own: its cache name
+    has `suffix`, its source defines `env` as 1."""
     cases = [_V4_FP4_N1, _V4_FP4_N8, _V4_FLASH_N1]
-    out = json.loads(_run_script(_CALLS_SCRIPT, 'DG_MEGA_MOE_SIGNALS_THREAD', override, 'get_mega_moe_kernel_variant', json.dumps(cases)))
-    assert [v['signals_thread'] for v in out] == on
-    for v in out:   # a kernel of its own: its cache name and its source's define
-        assert ('_sig' in v['name']) == v['signals_thread'], v['name']
+    out = json.loads(_run_script(_CALLS_SCRIPT, env, override, 'get_mega_moe_kernel_variant', json.dumps(cases)))
+    assert [v[key] for v in out] == on
+    for v in out:
+        assert (suffix in v['name']) == v[key], v['name']
         source = _C.get_mega_moe_kernel_source(v['mma_type'], v['block_m'], v['num_stages'], True, v['block_n_l2'],
-                                               v['wide_n_min'], v['signals_thread'])
-        assert ('#define DG_MEGA_MOE_SIGNALS_THREAD 1' in source) == v['signals_thread'], source
+                                               v['wide_n_min'], v['signals_thread'], v['cta_pair'])
+        assert (f'#define {env} 1' in source) == v[key], source
+    return out
+
+
+# (override, on) for the cases above: the heuristic's (v4-flash FP4 n = 1 / 8, FP8), forced on (not
+# where the kernel cannot have it: FP8), forced off
+_KIND_OVERRIDES = [(None, [False, True, False]), ('1', [True, True, False]), ('0', [False, False, False])]
+
+
+@pytest.mark.parametrize('override, on', _KIND_OVERRIDES)
+def test_launched_kernel_has_the_signals_thread(override, on):
+    _launched_kernel_kind('DG_MEGA_MOE_SIGNALS_THREAD', override, 'signals_thread', '_sig', on)
 
 
 def test_signals_thread_variant_arguments():
@@ -595,23 +604,10 @@ def test_cta_pair_other_formats_and_forcing():
     assert not config('fp8xfp4', num_tokens=2, **v4)['cta_pair']
     assert config('fp8xfp4', num_tokens=2, num_sms=32, **v4)['cta_pair']
 
-
-
-@pytest.mark.parametrize('override, on', [
-    (None, [False, True, False]),   # the heuristic's: v4-flash FP4 n = 1 / 8, FP8
-    ('1', [True, True, False]),     # not where the kernel cannot have one (FP8)
-    ('0', [False, False, False]),
-])
+@pytest.mark.parametrize('override, on', _KIND_OVERRIDES)
 def test_launched_kernel_is_the_cta_pair(override, on):
-    cases = [_V4_FP4_N1, _V4_FP4_N8, _V4_FLASH_N1]
-    out = json.loads(_run_script(_CALLS_SCRIPT, 'DG_MEGA_MOE_CTA_PAIR', override, 'get_mega_moe_kernel_variant', json.dumps(cases)))
-    assert [v['cta_pair'] for v in out] == on
-    for v in out:   # a kernel of its own: its cache name, its source's define, half an SM's stages
-        assert ('_pair' in v['name']) == v['cta_pair'], v['name']
-        source = _C.get_mega_moe_kernel_source(v['mma_type'], v['block_m'], v['num_stages'], True, v['block_n_l2'],
-                                               v['wide_n_min'], v['signals_thread'], v['cta_pair'])
-        assert ('#define DG_MEGA_MOE_CTA_PAIR 1' in source) == v['cta_pair'], source
-        assert v['num_stages'] == 2 if v['cta_pair'] else v['num_stages'] > 2
+    for v in _launched_kernel_kind('DG_MEGA_MOE_CTA_PAIR', override, 'cta_pair', '_pair', on):
+        assert v['num_stages'] == 2 if v['cta_pair'] else v['num_stages'] > 2   # half an SM's stages
         assert not v['cta_pair'] or v['wide_n_min'] == 64
 
 
