@@ -51,9 +51,11 @@ def variants(formats=DEFAULT_FORMATS):
     FP8 x FP4 decode with and without the N = 16 / 32 transposed tiles (wide_n_min 16 or
     64: by the expected tokens per expert; DG_MEGA_MOE_WIDE_N forces either), each of those also with the
     signals thread (by the expected tasks per SM; DG_MEGA_MOE_SIGNALS_THREAD forces either), and FP8 x FP4's
-    CTA-pair kernels (N = 64 tiles, 128- or 256-wide L2 tasks, with and without the signals thread, at the
-    stages of half an SM: by the expected tasks per SM and tokens per expert; DG_MEGA_MOE_CTA_PAIR forces
-    either). The 128-wide, N = 64 kernels without the signals thread come first."""
+    CTA-pair kernels (128- or 256-wide L2 tasks, with and without the signals thread, at the stages of
+    half an SM; token passes of 8 narrow tiles, wide_n_min 64, where the heuristic picks the pair by the
+    expected tasks per SM and tokens per expert, and passes of 32 with N = 16 / 32 tiles, wide_n_min 16,
+    where DG_MEGA_MOE_CTA_PAIR=1 forces it at 6 or more tokens per expert). The 128-wide, N = 64 kernels
+    without the signals thread come first."""
     keys = []
     for fmt in formats:
         for n in (1, 1 << 16):   # decode picks BLOCK_M 64, prefill 128
@@ -73,8 +75,8 @@ def variants(formats=DEFAULT_FORMATS):
     if 'fp8xfp4' in formats:
         t = MMA_TYPES['fp8xfp4']
         pair = _C.get_mega_moe_config(t, 1, 256, 8, 7168, 2048, 1, H200_SMS, H200_SMEM, cta_pair=1)
-        keys += [(t, 64, pair['num_stages'], fast, width, 64, sig, True)
-                 for width in (128, 256) for sig in (False, True) for fast in (True, False)]
+        keys += [(t, 64, pair['num_stages'], fast, width, wide, sig, True)
+                 for wide in (64, 16) for width in (128, 256) for sig in (False, True) for fast in (True, False)]
     return list(dict.fromkeys(keys))
 
 

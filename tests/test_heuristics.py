@@ -187,13 +187,14 @@ print('other', _C.print_mega_moe_config_if_requested(*args, 8192, 132, 232448), 
 """
 
 
-def _run_script(script, env_name, env_value, *args):
+def _run_script(script, env_name, env_value, *args, extra_env=None):
     """stdout of `python -c script args` in a fresh process (the C++ side reads env_name once per
-    process), with env_name set to env_value or unset (None)."""
+    process), with env_name set to env_value or unset (None), and extra_env's names set too."""
     env = dict(os.environ)
     env.pop(env_name, None)
     if env_value is not None:
         env[env_name] = env_value
+    env.update(extra_env or {})
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env['PYTHONPATH'] = root + os.pathsep + env.get('PYTHONPATH', '')
     return subprocess.run([sys.executable, '-c', script, *args], env=env, capture_output=True, text=True,
@@ -592,10 +593,13 @@ def test_cta_pair_other_formats_and_forcing():
     fp4 = MMA_TYPES['fp8xfp4']
     assert _C.get_mega_moe_config(fp4, 1, 256, 6, 4096, 2048, 1, H200_SMS, H200_SMEM, cta_pair=1)['cta_pair']
     assert not _C.get_mega_moe_config(fp4, 1, 256, 6, 4096, 2048, 8, H200_SMS, H200_SMEM, cta_pair=0)['cta_pair']
-    # forced where the heuristic takes N = 16 tiles: the pair has none
+    # forced where the heuristic takes N = 16 tiles (the heuristic's own pick there: no pair): the
+    # pair with them (token passes of 32, narrow or N = 16 / 32 tiles), all else the forced pair's
     wide = _C.get_mega_moe_config(fp4, 1, 256, 6, 4096, 2048, 512, H200_SMS, H200_SMEM, cta_pair=-1)
     forced = _C.get_mega_moe_config(fp4, 1, 256, 6, 4096, 2048, 512, H200_SMS, H200_SMEM, cta_pair=1)
-    assert wide['wide_n_min'] == 16 and forced['cta_pair'] and forced['wide_n_min'] == 64
+    assert wide['wide_n_min'] == 16 and not wide['cta_pair']
+    assert forced['cta_pair'] and forced['wide_n_min'] == 16 and forced['num_stages'] == 2 and forced['num_threads'] == 256
+    assert forced['block_n_l2'] == wide['block_n_l2'] and forced['signals_thread'] == wide['signals_thread']
     # prefill tiles (BLOCK_M 128): no pair
     assert not _C.get_mega_moe_config(fp4, 1, 256, 6, 4096, 2048, 1 << 16, H200_SMS, H200_SMEM, cta_pair=1)['cta_pair']
     with pytest.raises(ValueError, match='cta_pair'):
@@ -608,14 +612,32 @@ def test_cta_pair_other_formats_and_forcing():
 def test_launched_kernel_is_the_cta_pair(override, on):
     for v in _launched_kernel_kind('DG_MEGA_MOE_CTA_PAIR', override, 'cta_pair', '_pair', on):
         assert v['num_stages'] == 2 if v['cta_pair'] else v['num_stages'] > 2   # half an SM's stages
-        assert not v['cta_pair'] or v['wide_n_min'] == 64
+        assert not v['cta_pair'] or v['wide_n_min'] == 64   # these rows are below 6 tokens per expert
+
+
+# DG_MEGA_MOE_CTA_PAIR=1 at v4-flash n = 512 (12 tokens per expert: the heuristic's N = 16 tiles, no
+# pair) launches the pair with them, `_pair_w16`; with DG_MEGA_MOE_WIDE_N=64 too, the pair of narrow
+# token passes; DG_MEGA_MOE_WIDE_N=32 the pair without N = 16 tiles
+@pytest.mark.parametrize('wide_env, wide', [(None, 16), ('64', 64), ('32', 32)])
+def test_forced_cta_pair_keeps_the_calls_transposed_tiles(wide_env, wide):
+    case = [(MMA_TYPES['fp8xfp4'], 1, 256, 6, 4096, 2048, 512, H200_SMS)]
+    extra = {'DG_MEGA_MOE_WIDE_N': wide_env} if wide_env else {}
+    (v,) = json.loads(_run_script(_CALLS_SCRIPT, 'DG_MEGA_MOE_CTA_PAIR', '1', 'get_mega_moe_kernel_variant', json.dumps(case),
+                                  extra_env=extra))
+    assert v['cta_pair'] and v['wide_n_min'] == wide and v['num_stages'] == 2, v
+    assert v['name'].endswith('_pair' if wide == 64 else f'_pair_w{wide}'), v['name']
+    source = _C.get_mega_moe_kernel_source(v['mma_type'], v['block_m'], v['num_stages'], True, v['block_n_l2'], v['wide_n_min'],
+                                           v['signals_thread'], v['cta_pair'])
+    assert '#define DG_MEGA_MOE_CTA_PAIR 1' in source and f', {wide})' in source
 
 
 def test_cta_pair_variant_arguments():
     for bad in [(MMA_TYPES['fp8xfp8'], 64, 5, True, 128, 64, False, True),    # no FP8 x FP8 pair
-                (MMA_TYPES['fp8xfp4'], 128, 4, True, 128, 64, False, True),   # prefill tiles
-                (MMA_TYPES['fp8xfp4'], 64, 2, True, 256, 16, False, True)]:   # transposed N = 16 tiles
+                (MMA_TYPES['fp8xfp4'], 128, 4, True, 128, 64, False, True)]:  # prefill tiles
         with pytest.raises(ValueError, match='cta_pair'):
             _C.get_mega_moe_kernel_source(*bad)
+    for wide in (16, 32):   # the pair with N = 16 / 32 transposed tiles (token passes of 32)
+        source = _C.get_mega_moe_kernel_source(MMA_TYPES['fp8xfp4'], 64, 2, True, 256, wide, False, True)
+        assert '#define DG_MEGA_MOE_CTA_PAIR 1' in source and f'256, {wide})' in source
     out = json.loads(_run_script(_CALLS_SCRIPT, 'DG_MEGA_MOE_CTA_PAIR', '2', 'get_mega_moe_kernel_variant', json.dumps([_V4_FP4_N8])))
     assert 'DG_MEGA_MOE_CTA_PAIR' in out[0] and "'2'" in out[0]

@@ -49,10 +49,11 @@ def _variants():
     # signals thread), both maths
     seen += [(*v[:4], 512, 64, False, False) for v in list(seen)
              if v[0] == 'fp8xfp4' and v[1] == 64 and v[4] == 256 and v[5:] == (64, False, False)]
-    # FP8 x FP4 CTA pairs (half an SM's stages): N = 64 tiles, 128 / 256-wide L2 tasks, either signals choice
+    # FP8 x FP4 CTA pairs (half an SM's stages): token passes of 8 (N = 64 kernels) or of 32 with N = 16 /
+    # 32 tiles (wide_n_min 16), 128 / 256-wide L2 tasks, either signals choice
     pair = _C.get_mega_moe_config(mma_type_to_int('fp8xfp4'), 1, 256, 8, 7168, 2048, 1, 132, H200_SMEM, cta_pair=1)
-    seen += [('fp8xfp4', 64, pair['num_stages'], fast, width, 64, sig, True)
-             for width in (128, 256) for sig in (False, True) for fast in (True, False)]
+    seen += [('fp8xfp4', 64, pair['num_stages'], fast, width, wide, sig, True)
+             for wide in (64, 16) for width in (128, 256) for sig in (False, True) for fast in (True, False)]
     return seen
 
 
@@ -136,7 +137,7 @@ def test_prebuild_covers_every_kernel_the_launcher_picks():
                         p = _C.get_mega_moe_config(mma_type_to_int(fmt), num_ranks, num_experts, topk, hidden, inter, n,
                                                    132, H200_SMEM, cta_pair=int(pair))
                         for width in l2_widths(fmt, v['block_m']):   # heuristic or override
-                            for wide_n_min in (64,) if p['cta_pair'] else (64, 16, 32) if fp4_decode else (64,):
+                            for wide_n_min in (64, 16, 32) if fp4_decode else (64,):
                                 for sig in (False, True) if fp4_decode else (False,):
                                     for fast in (True, False):
                                         picked.add((v['mma_type'], v['block_m'], p['num_stages'], fast, width, wide_n_min, sig,

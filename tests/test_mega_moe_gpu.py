@@ -233,27 +233,41 @@ def test_fp4_signals_thread(args):
 
 
 # The CTA pair (FP8 x FP4 decode: two CTAs an SM, one math warpgroup each, every M-block as token
-# passes of 8 over its weights). DG_MEGA_MOE_CTA_PAIR=1 (read once per process: a subprocess each)
-# forces it where the heuristic would not: narrow M-blocks, M-blocks of ~12 tokens (two passes) and
-# 100 tokens on each of two experts (--experts-allowed 2, the other top-k slots masked: M-blocks of 64
-# and 36 tokens, eight and five passes), virtual ranks, 512-wide L2
-# tasks (two weight passes, each over every token pass), the kernel without the signals thread, and
-# the mid shape at 128 tokens (256-wide L2 tasks, M-blocks of ~8); the last two cases are the
+# passes over its weights: of 8 as narrow tiles in the kernels with wide_n_min 64, of 32 as narrow or
+# N = 16 / 32 transposed tiles in those with 16 / 32, the call's wide_n_min: the heuristic's, 16 from
+# 6 tokens per expert, or DG_MEGA_MOE_WIDE_N). DG_MEGA_MOE_CTA_PAIR=1 (read once per process: a
+# subprocess each) forces it where the heuristic would not: narrow M-blocks (wide_n_min 64), M-blocks
+# of ~12 tokens (at 64: two passes of 8; at 16: one N = 16 tile) and 100 tokens on each of two
+# experts (--experts-allowed 2, the other top-k slots masked: M-blocks of 64 and 36 tokens; at 64
+# eight and five passes, at 16 two N = 32 passes and an N = 32 one with a narrow one), virtual
+# ranks, 512-wide L2 tasks (two weight passes, each over every token pass), the kernel without the
+# signals thread, the wide_n_min 32 kernel (no N = 16 tile), the mid shape at 128 tokens (256-wide
+# L2 tasks, M-blocks of ~8: narrow, N = 16 and N = 32 passes), 20 calls back to back on one buffer
+# with changing n and masks (kernels of either wide_n_min in turn); the last two cases are the
 # heuristic's own picks on every SM: mid at 16 tokens (13.6 expected tasks per SM, one token per
 # expert) and at 64 (four per expert: M-blocks of one to ~12 tokens, one or two passes).
-@pytest.mark.parametrize('args, env', [
-    (('--tokens', '8', '--sms', '8'), {}),
-    (('--tokens', '48', '--sms', '8'), {}),
-    (('--tokens', '100', '--experts-allowed', '2', '--sms', '8'), {}),
-    (('--tokens', '8', '--ranks', '2', '--sms', '16'), {}),
-    (('--tokens', '48', '--ranks', '4', '--sms', '8'), {}),
-    (('--tokens', '48', '--sms', '8'), {'DG_MEGA_MOE_L2_BLOCK_N': '512'}),
-    (('--tokens', '48', '--sms', '8'), {'DG_MEGA_MOE_SIGNALS_THREAD': '0'}),
-    (('--shape', 'mid', '--tokens', '128', '--sms', 'all'), {}),
-    (('--shape', 'mid', '--tokens', '16', '--sms', 'all'), None),
-    (('--shape', 'mid', '--tokens', '64', '--sms', 'all'), None),
-], ids=['narrow', 'two-passes', 'eight-passes', 'ep2', 'wide-ep4', 'l2-512', 'no-signals', 'mid', 'heuristic', 'heuristic-passes'])
-def test_fp4_cta_pair(args, env):
+# Third field: the kernel's wide_n_min.
+@pytest.mark.parametrize('args, env, wide', [
+    (('--tokens', '8', '--sms', '8'), {}, 64),
+    (('--tokens', '48', '--sms', '8'), {'DG_MEGA_MOE_WIDE_N': '64'}, 64),
+    (('--tokens', '100', '--experts-allowed', '2', '--sms', '8'), {'DG_MEGA_MOE_WIDE_N': '64'}, 64),
+    (('--tokens', '48', '--sms', '8'), {}, 16),
+    (('--tokens', '100', '--experts-allowed', '2', '--sms', '8'), {}, 16),
+    (('--tokens', '48', '--sms', '8'), {'DG_MEGA_MOE_WIDE_N': '32'}, 32),
+    (('--tokens', '8', '--ranks', '2', '--sms', '16'), {}, 64),
+    (('--tokens', '48', '--ranks', '4', '--sms', '8'), {}, 16),
+    (('--tokens', '48', '--ranks', '4', '--sms', '8'), {'DG_MEGA_MOE_WIDE_N': '64'}, 64),
+    (('--tokens', '48', '--sms', '8'), {'DG_MEGA_MOE_L2_BLOCK_N': '512'}, 16),
+    (('--tokens', '48', '--sms', '8'), {'DG_MEGA_MOE_L2_BLOCK_N': '512', 'DG_MEGA_MOE_WIDE_N': '64'}, 64),
+    (('--tokens', '48', '--sms', '8'), {'DG_MEGA_MOE_SIGNALS_THREAD': '0'}, 16),
+    (('--shape', 'mid', '--tokens', '128', '--sms', 'all'), {}, 16),
+    (('--shape', 'mid', '--tokens', '128', '--sms', 'all'), {'DG_MEGA_MOE_WIDE_N': '64'}, 64),
+    (('--tokens', '64', '--sms', '8', '--calls', '20'), {}, 16),
+    (('--shape', 'mid', '--tokens', '16', '--sms', 'all'), None, 64),
+    (('--shape', 'mid', '--tokens', '64', '--sms', 'all'), None, 64),
+], ids=['narrow', 'two-passes', 'eight-passes', 'w16-n16', 'w16-n32-passes', 'w32', 'ep2', 'wide-ep4', 'wide-ep4-w64',
+        'l2-512', 'l2-512-w64', 'no-signals', 'mid', 'mid-w64', 'back-to-back', 'heuristic', 'heuristic-passes'])
+def test_fp4_cta_pair(args, env, wide):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     args = tuple(str(_C.get_num_sms()) if a == 'all' else a for a in args)
     cmd = [sys.executable, os.path.join(root, 'scripts', 'one_launch.py'), '--format', 'fp8xfp4', *args]
@@ -264,7 +278,7 @@ def test_fp4_cta_pair(args, env):
     run = subprocess.run(cmd, env=child, capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, f'{run.stdout}\n{run.stderr[-3000:]}'
     variant = ast.literal_eval(re.search(r'kernel variant (\([^)]*\))', run.stdout).group(1))
-    assert variant[1] == 64 and variant[5] == 64 and variant[7] is True, f'{variant}: not the CTA-pair kernel'
+    assert variant[1] == 64 and variant[5] == wide and variant[7] is True, f'{variant}: not the CTA-pair kernel of wide_n_min {wide}'
     if env and 'DG_MEGA_MOE_L2_BLOCK_N' in env:
         assert variant[4] == 512, variant
     if env and 'DG_MEGA_MOE_SIGNALS_THREAD' in env:

@@ -69,11 +69,13 @@ def test_prebuild_lists_the_ep_kernels():
     # fast and exact, 256-wide L2 at BLOCK_M 64 (FP8 and BF16 also 512-wide: 4), FP8 x FP4 decode with
     # and without the N = 16 / 32 tiles, each of those 8 with and without the signals thread, and its
     # 512-wide kernel of the one-wave rows (N = 64, no signals thread: 2); and the CTA pair (FP8 x FP4
-    # decode, N = 64 only, 2 stages): 128- and 256-wide L2, with and without the signals thread (8)
-    assert full.returncode == 0 and len(full.stdout.splitlines()) == 36 + 8
+    # decode, 2 stages): N = 64 and N = 16 kernels, 128- and 256-wide L2, with and without the signals
+    # thread (16)
+    assert full.returncode == 0 and len(full.stdout.splitlines()) == 36 + 16
     pair = [eval(line) for line in full.stdout.splitlines() if line.startswith('(') and eval(line)[7]]
-    assert sorted((k[3], k[4], k[6]) for k in pair) == sorted((f, w, s) for f in (False, True) for w in (128, 256) for s in (False, True))
-    assert all(k[:2] == (0, 64) and k[2] == 2 and k[5] == 64 for k in pair)
+    assert sorted((k[3], k[4], k[5], k[6]) for k in pair) == sorted((f, w, n, s) for f in (False, True) for w in (128, 256)
+                                                                     for n in (16, 64) for s in (False, True))
+    assert all(k[:2] == (0, 64) and k[2] == 2 for k in pair)
     assert all(k[5] == 64 or (k[0], k[1], k[5]) == (0, 64, 16) for k in keys)
     assert run('--ep', '1').returncode == 2 and run('fp16').returncode == 2
 
@@ -179,3 +181,26 @@ def test_ncu_regions_rejects_a_file_without_a_source_page(tmp_path):
     result = subprocess.run([sys.executable, os.path.join(SCRIPTS, 'ncu_regions.py'), str(report)],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode != 0 and 'no "=== source" section' in result.stderr
+
+
+def test_pair_wide_device_script_kernels_are_prebuilt():
+    """scripts/device_pair_wide.sh times each of its cases with DG_MEGA_MOE_CTA_PAIR=0 and =1: both
+    kernels of every case (fast math, the heuristic's other choices) are in the prebuild list, so the
+    device call compiles nothing; with =1 every case is the pair with its N = 16 tiles (6 or more tokens
+    per expert), with =0 the two-warpgroup kernel."""
+    from deep_gemm import _C
+    script = open(os.path.join(SCRIPTS, 'device_pair_wide.sh')).read()
+    cases = script.split('CASES="', 1)[1].split('"', 1)[0].split()
+    assert len(cases) % 6 == 0 and len(cases) >= 6 * 10
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get('PYTHONPATH', ''))
+    listing = subprocess.run([sys.executable, os.path.join(SCRIPTS, 'prebuild_kernels.py'), '--list', 'fp8xfp4', 'fp8xfp8', 'bf16xbf16'],
+                             capture_output=True, text=True, env=env, timeout=120)
+    prebuilt = {eval(line) for line in listing.stdout.splitlines() if line.startswith('(')}
+    for c in range(0, len(cases), 6):
+        fmt, hidden, inter, experts, topk, n = cases[c], *map(int, cases[c + 1:c + 6])
+        assert fmt == 'fp8xfp4'
+        for pair in (0, 1):
+            k = _C.get_mega_moe_config(0, 1, experts, topk, hidden, inter, n, 132, 232448, cta_pair=pair)
+            key = (0, k['block_m'], k['num_stages'], True, k['block_n_l2'], k['wide_n_min'], k['signals_thread'], k['cta_pair'])
+            assert key in prebuilt, (cases[c:c + 6], pair, key)
+            assert k['cta_pair'] == bool(pair) and k['wide_n_min'] == 16, (cases[c:c + 6], pair, k)

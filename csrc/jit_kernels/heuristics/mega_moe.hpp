@@ -263,12 +263,14 @@ inline MegaMoEConfig get_mega_moe_config(MmaType mma_type, int num_ranks, int nu
     c.signals_thread = mma_type == MmaType::kFP8xFP4 and c.block_m == 64 and
                        expected_tasks >= static_cast<int64_t>(kSignalsThreadMinTasksPerSM) * num_sms;
 
-    // The CTA pair (a kernel variant of FP8 x FP4 decode with N = 64 transposed tiles, kCtaPair): two
-    // CTAs an SM, each one math warpgroup that runs both halves of a tile, so one CTA's task boundary
-    // (epilogue, signals, the next task's first stage) runs under the other's K-loop. Each CTA has
-    // half the SM's shared memory (decode FP8 x FP4: 2 stages) and every M-block runs as narrow tiles,
-    // one pass of 8 tokens after another, never split-K. Worth it where an SM runs many tasks of
-    // M-blocks of a few tokens (kCtaPairMinTasksPerSM; not where the N = 16 / 32 variant runs)
+    // The CTA pair (a kernel variant of FP8 x FP4 decode, kCtaPair): two CTAs an SM, each one math
+    // warpgroup that runs both halves of a tile, so one CTA's task boundary (epilogue, signals, the
+    // next task's first stage) runs under the other's K-loop. Each CTA has half the SM's shared memory
+    // (decode FP8 x FP4: 2 stages) and every M-block runs as token passes, never split-K: passes of 8
+    // tokens as narrow tiles (wide_n_min 64), or with wide_n_min 16 / 32 passes of 32 tokens, each a
+    // narrow or an N = 16 / 32 transposed tile. The heuristic picks it where an SM runs many tasks of
+    // M-blocks of a few tokens (kCtaPairMinTasksPerSM; not where the N = 16 / 32 variant runs: the
+    // pair with those tiles is built, forced by cta_pair = 1, not yet measured on a GPU)
     c.cta_pair = false;
     const int pair_smem = min_of(max_smem_bytes, kSM90SmemPerSM / 2 - kSM90SmemReservedPerCTA);
     const bool pair_fits = mega_moe_smem_bytes(mma_type, c.block_m, kMinStages) <= pair_smem;
@@ -278,8 +280,7 @@ inline MegaMoEConfig get_mega_moe_config(MmaType mma_type, int num_ranks, int nu
     if (pair_ok and (cta_pair == 1 or (cta_pair == -1 and pair_wanted))) {
         int stages = kMaxStages;
         while (mega_moe_smem_bytes(mma_type, c.block_m, stages) > pair_smem) --stages;   // >= kMinStages (pair_fits)
-        c.cta_pair = true;
-        c.wide_n_min = 64;   // a pair kernel has no transposed tiles (mega_moe_cta_pair_ok)
+        c.cta_pair = true;   // with the heuristic's wide_n_min: 64 where it picks the pair, 16 where only forced
         c.num_stages = stages;
         c.num_prefetch_stages = min_of(c.num_prefetch_stages, stages);
         c.num_prefetch_stages_l2 = min_of(c.num_prefetch_stages_l2, stages);

@@ -55,7 +55,7 @@ struct SM90MegaMoEVariant {
     int block_n_l2;     // L2 task width: 128, or 256 / 512 with block_m 64 (mega_moe_l2_block_n_ok)
     int wide_n_min = 64;   // narrowest transposed wide tile: 64, or 16 / 32 for FP8 x FP4 with block_m 64 (mega_moe_wide_n_ok)
     bool signals_thread = false;   // FP8 x FP4 with block_m 64 only (mega_moe_signals_thread_ok)
-    bool cta_pair = false;         // FP8 x FP4 decode with wide_n_min 64: two CTAs an SM, one math warpgroup each
+    bool cta_pair = false;         // FP8 x FP4 decode: two CTAs an SM, one math warpgroup each (mega_moe_cta_pair_ok)
 
     void check() const {
         if (not mega_moe_l2_block_n_ok(block_m, block_n_l2))
@@ -68,7 +68,7 @@ struct SM90MegaMoEVariant {
             jit::raise_invalid_argument("signals_thread: fp8xfp4 with block_m = 64 only; got block_m = ", block_m,
                                         " (mma_type ", static_cast<int>(mma_type), ")");
         if (cta_pair and not mega_moe_cta_pair_ok(mma_type, block_m, wide_n_min))
-            jit::raise_invalid_argument("cta_pair: fp8xfp4 with block_m = 64 and wide_n_min = 64 only; got block_m = ", block_m,
+            jit::raise_invalid_argument("cta_pair: fp8xfp4 with block_m = 64 (wide_n_min 16, 32 or 64) only; got block_m = ", block_m,
                                         ", wide_n_min = ", wide_n_min, " (mma_type ", static_cast<int>(mma_type), ")");
     }
 
@@ -178,8 +178,8 @@ inline std::pair<MegaMoEConfig, SM90MegaMoEVariant> select_sm90_mega_moe_variant
         MmaType mma_type, int num_ranks, int num_experts, int num_topk, int hidden, int intermediate_hidden,
         int num_tokens, int num_sms, int max_smem_bytes, bool fast_math, bool ranks_share_gpu = false) {
     // The CTA pair: the heuristic's choice, or the tuning aid DG_MEGA_MOE_CTA_PAIR = 0 / 1 (read once per
-    // process) where the kernel has the variant; a pair kernel has no transposed tiles, so
-    // DG_MEGA_MOE_WIDE_N leaves it at 64. Not the heuristic's where ranks share the GPU (virtual
+    // process) where the kernel has the variant, with the call's wide_n_min (DG_MEGA_MOE_WIDE_N applies:
+    // the pair's token passes of 32 with N = 16 / 32 tiles, or of 8 at 64). Not the heuristic's where ranks share the GPU (virtual
     // ranks, `ranks_share_gpu`): every rank's persistent grid must be resident at once, and each rank
     // picks its kernel from its own n, so a pair rank (two CTAs of half the shared memory an SM, which
     // the block scheduler may spread one an SM) beside a one-CTA-an-SM rank could leave CTAs without an
@@ -189,7 +189,7 @@ inline std::pair<MegaMoEConfig, SM90MegaMoEVariant> select_sm90_mega_moe_variant
     auto config = get_mega_moe_config(mma_type, num_ranks, num_experts, num_topk, hidden, intermediate_hidden,
                                       num_tokens, num_sms, max_smem_bytes, pair_choice);
     config.block_n_l2 = select_mega_moe_l2_block_n(config, hidden);
-    config.wide_n_min = config.cta_pair ? 64 : select_mega_moe_wide_n_min(config);
+    config.wide_n_min = select_mega_moe_wide_n_min(config);
     config.signals_thread = select_mega_moe_signals_thread(config);
     return {config, SM90MegaMoEVariant{mma_type, config.block_m, config.num_stages, fast_math, config.block_n_l2, config.wide_n_min,
                                        config.signals_thread, config.cta_pair}};

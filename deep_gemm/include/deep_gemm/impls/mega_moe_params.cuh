@@ -131,10 +131,13 @@ constexpr int kMegaMoEFP4TableAlign = 128;
 constexpr int kMegaMoEFP4TablePad = kMegaMoEFP4TableAlign - 16;
 // FP8 x FP4 decode kernels only may be built with the signals thread (a kernel variant, `_sig`)
 DG_HOST_DEVICE constexpr bool mega_moe_signals_thread_ok(MmaType t, int block_m) { return t == MmaType::kFP8xFP4 and block_m == 64; }
-// The CTA pair (two CTAs an SM, one math warpgroup each, every M-block as narrow tiles): FP8 x FP4
-// decode kernels without transposed tiles below N = 64
+// The CTA pair (two CTAs an SM, one math warpgroup each): FP8 x FP4 decode kernels. With
+// wide_n_min 64 every M-block runs as token passes of 8 narrow tiles; with 16 / 32 as passes of
+// kMegaMoEPairPassRows tokens, each a narrow tile or a transposed one of N = 16 / 32 (N = 64 would
+// not fit one warpgroup's registers with both halves of a tile)
+constexpr int kMegaMoEPairPassRows = 32;
 DG_HOST_DEVICE constexpr bool mega_moe_cta_pair_ok(MmaType t, int block_m, int wide_n_min) {
-    return t == MmaType::kFP8xFP4 and block_m == 64 and wide_n_min == 64;
+    return t == MmaType::kFP8xFP4 and block_m == 64 and (wide_n_min == 64 or wide_n_min == 32 or wide_n_min == 16);
 }
 // The signals thread's mailboxes (FP8 x FP4 decode kernels built with it): per math
 // warpgroup a ring of kMegaMoESignalPosts posts, each a full and an empty mbarrier and a 4-byte

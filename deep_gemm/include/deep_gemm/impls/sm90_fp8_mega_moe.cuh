@@ -185,8 +185,8 @@ struct Kernel {
     static constexpr int kNumMathWGs = kCtaPair ? 1 : kMegaMoENumMathWarpgroups;
     static constexpr int kCtasPerSM = kCtaPair ? 2 : 1;
     static constexpr int kHalves = 2 / kNumMathWGs;   // a tile's warpgroup halves one math warpgroup runs
-    static_assert(not kCtaPair or (kMmaType == MmaType::kFP8xFP4 and BLOCK_M == 64 and kWideNMin == 64),
-                  "the CTA pair: FP8 x FP4 decode kernels only, every M-block as token passes of narrow tiles");
+    static_assert(not kCtaPair or mega_moe_cta_pair_ok(kMmaType, BLOCK_M, kWideNMin),
+                  "the CTA pair: FP8 x FP4 decode kernels only, every M-block as token passes of narrow or N = 16 / 32 tiles");
     static constexpr bool kSplitN = BLOCK_M == 64;
     // FP8 x FP4 decode: M-blocks of more than 8 tokens run transposed (weights as register A, tokens
     // as N = BLOCK_M; transposed_l1_mainloop), not as wide tiles over an expanded E4M3 tile
@@ -967,6 +967,7 @@ struct Kernel {
         const auto* l1_done = mine<uint32_t>(lay.mblock_l1_done);
         bool is_l1 = false, narrow = false;
         [[maybe_unused]] int tok_pass = 0, tok_passes = 1;   // the CTA pair: the task's token passes (math(): the same)
+        [[maybe_unused]] int pair_rows = 0;                 // the CTA pair with N = 16 / 32 tiles: the task's M-block's tokens
         [[maybe_unused]] int a_rows = BLOCK_M;   // N = 16 / 32 transposed tiles: the A box's rows (16, 32, or BLOCK_M)
         int m = 0;
         int kb0 = 0;    // the task's first K-block (split-K L1 part q of s: q x num_kb / s)
@@ -984,7 +985,7 @@ struct Kernel {
                 if (a_rows == 16) tm_act = is_l1 ? tm.l1_act_16 : tm.l2_act_16;
                 if (a_rows == 32) tm_act = is_l1 ? tm.l1_act_32 : tm.l2_act_32;
             }
-            if constexpr (kCtaPair) tma_load_2d(sm.stage_a(s), tm_act, sm.full + s, kb * BLOCK_K, m * BLOCK_M + tok_pass * kNarrowRows);
+            if constexpr (kCtaPair) tma_load_2d(sm.stage_a(s), tm_act, sm.full + s, kb * BLOCK_K, m * BLOCK_M + tok_pass * kPairPassRows);
             else tma_load_2d(sm.stage_a(s), tm_act, sm.full + s, kb * BLOCK_K, m * BLOCK_M);
             if constexpr (kStageSfBytes > 0) {
                 // the M-block's activation scales of this K-block: BLOCK_M contiguous floats (pool is M-major)
@@ -1076,10 +1077,20 @@ struct Kernel {
             uint32_t a_bytes = narrow ? kNarrowABytes : kABytes;
             if constexpr (kWideN16 or kWideN32) {   // the math's choice of N (math(): the same rule)
                 const int rows = valid_rows(m, le);
-                a_rows = narrow ? kNarrowRows : kWideN16 and rows <= 16 ? 16 : kWideN32 and rows <= 32 ? 32 : BLOCK_M;
+                if constexpr (kPairWide) {   // the first token pass's tile (pair_pass_geometry: the next ones')
+                    pair_rows = rows;
+                    a_rows = pair_pass(rows, 0).n, narrow = a_rows == kNarrowRows;
+                } else {
+                    a_rows = narrow ? kNarrowRows : kWideN16 and rows <= 16 ? 16 : kWideN32 and rows <= 32 ? 32 : BLOCK_M;
+                }
                 a_bytes = static_cast<uint32_t>(a_rows) * 128;
             }
-            const uint32_t stage_bytes = a_bytes + kStageSfBytes + b_bytes;
+            uint32_t stage_bytes = a_bytes + kStageSfBytes + b_bytes;   // the CTA pair with N = 16 / 32 tiles: per token pass
+            // Token pass q's A box (N rows at token q x kPairPassRows: issue_a) and the stage bytes that go with it
+            [[maybe_unused]] const auto pair_pass_geometry = [&](int q) {
+                a_rows = pair_pass(pair_rows, q).n, narrow = a_rows == kNarrowRows;
+                stage_bytes = static_cast<uint32_t>(a_rows) * 128 + kStageSfBytes + b_bytes;
+            };
             const CUtensorMap* tm_w = is_l1 ? tm_l1_w : tm_l2_w;
             // FP4 packed codes and deltas: one block each per (128-row block, K-block), the blocks of a
             // row block K-major; block0 = the pass's first row block at K-block 0
@@ -1209,11 +1220,13 @@ struct Kernel {
             if (not ok) break;
             stage_iter += task_kb;
             if constexpr (kCtaPair) {
-                if (++tok_pass < tok_passes) {   // the same B rows for the next kNarrowRows tokens (issue_a)
+                if (++tok_pass < tok_passes) {   // the same B rows for the next kPairPassRows tokens (issue_a)
+                    if constexpr (kPairWide) pair_pass_geometry(tok_pass);
                     ready = true;
                     goto next_pass;
                 }
                 tok_pass = 0;
+                if constexpr (kPairWide) pair_pass_geometry(0);   // a 512-wide L2 task's second weight pass starts over
             }
             if constexpr (kL2BlockN > kMegaMoEBlockNL2) {
                 if (--num_passes > 0) {   // the task's next b_rows rows; its dependency is met (ready)
@@ -1920,9 +1933,24 @@ struct Kernel {
     // tile is one 256-row B tile). Accumulator i of a thread's 4 per 64-row M tile: weight row
     // warp * 16 + lane / 4 + 8 * (i / 2) of the tile's 64, token (lane % 4) * 2 + i % 2.
     static constexpr int kNarrowRows = kMegaMoENarrowRows;
-    // The CTA pair runs every M-block as narrow tiles, one pass of kNarrowRows tokens after another
-    // (each pass a whole K loop over the task's weights; at least one, as for an empty M-block)
-    __device__ static int pair_token_passes(int rows) { return max_of(1, ceil_div(rows, kNarrowRows)); }
+    // The CTA pair runs every M-block as token passes, one after another, each a whole K loop over the
+    // task's weights (at least one, as for an empty M-block): passes of kNarrowRows tokens as narrow
+    // tiles, or (kernels with wide_n_min 16 / 32) passes of kMegaMoEPairPassRows tokens, each a narrow
+    // tile (at most kNarrowRows tokens) or a transposed one of N = 16 / 32 (pair_pass)
+    static constexpr bool kPairWide = kCtaPair and (kWideN16 or kWideN32);
+    static constexpr int kPairPassRows = kPairWide ? kMegaMoEPairPassRows : kNarrowRows;
+    static_assert(kPairPassRows % kNarrowRows == 0 and kPairPassRows <= 32 and BLOCK_M % kPairPassRows == 0);
+    __device__ static int pair_token_passes(int rows) { return max_of(1, ceil_div(rows, kPairPassRows)); }
+    // Token pass q of an M-block of `rows` tokens: its first token o, its tokens (0 for an empty
+    // M-block) and its tile's N (kNarrowRows: a narrow tile; 16 / 32: transposed). The producer
+    // (its A box and stage bytes) and the math (its loop) both decide by this.
+    struct PairPass {
+        int o, rows, n;
+    };
+    __device__ static PairPass pair_pass(int rows, int q) {
+        const int o = q * kPairPassRows, r = min_of(kPairPassRows, rows - o);
+        return {o, r, not kPairWide or r <= kNarrowRows ? kNarrowRows : kWideN16 and r <= 16 ? 16 : 32};
+    }
     struct NarrowThread {
         int r0, c0;   // weight row of accumulators 0, 1 within the warpgroup's 64; token of accumulators 0, 2
         __device__ explicit NarrowThread(const MathThread& mt) : r0(mt.warp * 16 + mt.lane / 4), c0((mt.lane % 4) * 2) {}
@@ -2397,11 +2425,12 @@ struct Kernel {
     __device__ static constexpr int wide_slot(int i) { return 2 * (i / 4) + i % 2; }
     __device__ static int wide_row(const NarrowThread& nt, int i) { return nt.r0 + 8 * ((i / 2) % 2); }
     __device__ static int wide_token(const NarrowThread& nt, int k) { return 8 * (k / 2) + nt.c0 + k % 2; }   // slot k's token
+    // (o: the tile's first token within the M-block, the CTA pair's token passes; 0 elsewhere)
     template <int kN>
-    __device__ void wide_token_sf(int s, const NarrowThread& nt, float (&sa)[(kN / 4)]) const {
+    __device__ void wide_token_sf(int s, const NarrowThread& nt, float (&sa)[(kN / 4)], int o = 0) const {
         #pragma unroll
         for (int g = 0; g < (kN / 4) / 2; ++g) {
-            const uint2 v = ld_shared_v2(smem_addr(sm.stage_sf(s)) + (8 * g + nt.c0) * 4);
+            const uint2 v = ld_shared_v2(smem_addr(sm.stage_sf(s)) + (o + 8 * g + nt.c0) * 4);
             sa[2 * g] = __uint_as_float(v.x), sa[2 * g + 1] = __uint_as_float(v.y);
         }
     }
@@ -2413,15 +2442,16 @@ struct Kernel {
     // whole math loop, the narrow tiles' too, in local memory. The caller releases the stage.
     // N = 16 / 32 (kN / 2 registers a set) keep two sets in flight: the second M tile's wgmmas are
     // issued before the first's promotion (wait_group 1), which then runs under them. N = 64 passes
-    // the same array twice: one set, the second M tile's wgmmas after the first's promotion.
-    template <int kN, typename Promote0>
+    // the same array twice: one set, the second M tile's wgmmas after the first's promotion (kOneSet;
+    // also the CTA pair's N = 32 tiles, whose sums of both halves leave no room for two).
+    template <int kN, bool kOneSet = kN == 64, typename Promote0>
     __device__ static void wide_fp4_k_block_pair(const FP4Rows& r0, const FP4Rows& r1, uint64_t dt, float (&part0)[(kN / 2)],
                                                  float (&part1)[(kN / 2)], uint32_t table, Promote0&& promote0) {
         FP4Fragments a0, a1;
         mma::fence_operands(part0);
         narrow_fp4_k_block<WideMma<kN>>(r0, a0, dt, part0, table);
         mma::warpgroup_commit();
-        if constexpr (kN == 64) {
+        if constexpr (kOneSet) {
             narrow_fp4_expand(r1, a1, table);
             mma::warpgroup_wait<0>();
             mma::fence_operands(part0);
@@ -2628,6 +2658,203 @@ struct Kernel {
         end_l2_pass(mt, last_pass);
     }
 
+    // ------------------------------------------------------------------------------------------
+    // The CTA pair's transposed tiles (kernels with wide_n_min 16 / 32, kPairWide): a token pass of
+    // more than kNarrowRows tokens (pair_pass) runs as the two-warpgroup kernel's transposed tile of
+    // N = 16 / 32 does, with the one math warpgroup taking both warpgroups' halves of the weight rows
+    // (kHalves = 2): [h] holds the accumulators of what warpgroup h runs there. Tokens o + [0, kN)
+    // of the M-block are the tile's N (their A box, issue_a; their scales at o in the stage).
+    // N = 64 is not built: both halves' accumulators and the partial sums in flight would not fit
+    // the pair's 200 registers.
+
+    // L1: per half h gate rows 64 h and up rows 128 + 64 h of the B tile (as transposed_l1_mainloop,
+    // gate's wgmmas under up's expansion); the stage is released after the second half's wgmmas
+    template <int kN>
+    __device__ bool transposed_l1_mainloop_pair(int o, uint32_t& stage_iter, const MathThread& mt, float (&gate)[kHalves][kN / 2],
+                                                float (&up)[kHalves][kN / 2]) {
+        static_assert(kPairWide and kHalves == 2 and (kN == 16 or kN == 32), "the CTA pair's transposed tiles: N = 16 / 32");
+        const NarrowThread nt(mt);
+        const int num_kb = lay.hidden / BLOCK_K;
+        const uint32_t table = opaque_u32(smem_addr(sm.fp4_table));   // once per task
+        #pragma unroll
+        for (int h = 0; h < kHalves; ++h)
+            #pragma unroll
+            for (int i = 0; i < kN / 2; ++i) gate[h][i] = up[h][i] = 0.0f;
+        for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
+            if (not wait_full_l1(kb, stage_iter, mt)) return false;
+            const int s = stage_iter % kNumStages;
+            const uint64_t dt = mma::make_k_major_sw128_desc(sm.stage_a(s));
+            const float sg = sm.weight_sf(s, 0), su = sm.weight_sf(s, 1);
+            float sa[kN / 4];
+            #pragma unroll
+            for (int h = 0; h < kHalves; ++h) {
+                // N = 32: one set of partial sums (two put the loop's values in local memory: SASS)
+                constexpr bool kOneSet = kN == 32;
+                float part[kN / 2], part_u_own[kN / 2];
+                float (&part_u)[kN / 2] = kOneSet ? part : part_u_own;
+                FP4Rows rg, ru;
+                narrow_fp4_load(s, h * 64, mt, rg, table), narrow_fp4_load(s, 128 + h * 64, mt, ru, table);
+                wide_fp4_k_block_pair<kN, kOneSet>(rg, ru, dt, part, part_u, table, [&] {
+                    if (h == 0) wide_token_sf<kN>(s, nt, sa, o);   // read before the release below
+                    #pragma unroll
+                    for (int i = 0; i < kN / 2; ++i) gate[h][i] += part[i] * (sa[wide_slot(i)] * sg);
+                });
+                if (h == kHalves - 1) release_stage(stage_iter, mt), trace_l1_release(kb, mt);
+                #pragma unroll
+                for (int i = 0; i < kN / 2; ++i) up[h][i] += part_u[i] * (sa[wide_slot(i)] * su);
+            }
+        }
+        return true;
+    }
+
+    // L1 epilogue (as transposed_l1_epilogue): each token's amax over both halves' rows in the
+    // thread, then over the warpgroup's 4 warps through bytes 128.. of the token's staging row; the
+    // pass's token rows into the L2 pool at o. last: the task's last token pass (it signals).
+    template <int kN>
+    __device__ void transposed_l1_epilogue_pair(int m, int j, int num_rows, int o, bool last, const MathThread& mt,
+                                                const float (&gate)[kHalves][kN / 2], const float (&up)[kHalves][kN / 2]) {
+        const NarrowThread nt(mt);
+        const float clamp = p.activation_clamp;
+        uint8_t* tile = sm.epilogue;    // row t: token o + t's 128 columns of the block
+        float tok_w[kN / 4], act[kHalves][kN / 2], amax[kN / 4];
+        const float* src = narrow_token_weights(m, nt) + o;
+        #pragma unroll
+        for (int k = 0; k < kN / 4; ++k) tok_w[k] = __ldcg(src + wide_token(nt, k) - nt.c0), amax[k] = 0.0f;
+        #pragma unroll
+        for (int h = 0; h < kHalves; ++h)
+            #pragma unroll
+            for (int i = 0; i < kN / 2; ++i) {
+                const float gt = fminf(gate[h][i], clamp);
+                const float u = fminf(fmaxf(up[h][i], -clamp), clamp);
+                act[h][i] = silu<kFastMath>(gt) * u;   // then x w, as the other tiles
+                amax[wide_slot(i)] = fmaxf(amax[wide_slot(i)], fabsf(act[h][i]));   // before the weight, as they do
+            }
+        // lanes of equal lane % 4 hold the same tokens
+        #pragma unroll
+        for (int k = 0; k < kN / 4; ++k)
+            #pragma unroll
+            for (int d = 4; d < 32; d *= 2) amax[k] = fmaxf(amax[k], __shfl_xor_sync(0xffffffff, amax[k], d));
+        constexpr int kXchg = 128;
+        static_assert(kXchg + 4 * 4 <= kMegaMoEEpilogueRowBytes and kMegaMoEEpilogueRowBytes % 16 == 0 and
+                      kN * kMegaMoEEpilogueRowBytes <= mega_moe_epilogue_smem_bytes(kMmaType, BLOCK_M),
+                      "a token's 4 warp maxima: one 16-byte load inside its staging row");
+        const uint32_t xchg = smem_addr(tile) + kXchg;
+        if (mt.lane < 4) {
+            #pragma unroll
+            for (int k = 0; k < kN / 4; ++k) st_shared_f32(xchg + wide_token(nt, k) * kMegaMoEEpilogueRowBytes + mt.warp * 4, amax[k]);
+        }
+        named_barrier(kBarrierMathAll, kNumMathThreads);
+        #pragma unroll
+        for (int k = 0; k < kN / 4; ++k) {
+            const uint4 a = ld_shared_v4(xchg + wide_token(nt, k) * kMegaMoEEpilogueRowBytes);
+            amax[k] = fmaxf(fmaxf(__uint_as_float(a.x), __uint_as_float(a.y)), fmaxf(__uint_as_float(a.z), __uint_as_float(a.w)));
+        }
+        // Correctly rounded divisions, as the other tiles (bit-identical to per_token_cast_to_fp8)
+        float a[kN / 4], inv[kN / 4];
+        #pragma unroll
+        for (int k = 0; k < kN / 4; ++k) a[k] = fmaxf(amax[k] * fabsf(tok_w[k]), 1e-10f), inv[k] = __fdiv_rn(448.0f, a[k]);
+        #pragma unroll
+        for (int h = 0; h < kHalves; ++h)
+            #pragma unroll
+            for (int i = 0; i < kN / 2; ++i) {
+                const __nv_fp8_storage_t q = __nv_cvt_float_to_fp8((act[h][i] * tok_w[wide_slot(i)]) * inv[wide_slot(i)], __NV_SATFINITE, __NV_E4M3);
+                tile[(8 * (i / 4) + nt.c0 + i % 2) * kMegaMoEEpilogueRowBytes + 64 * h + wide_row(nt, i)] = q;
+            }
+        if (mt.warp == 0 and mt.lane < 4) {
+            #pragma unroll
+            for (int k = 0; k < kN / 4; ++k)
+                if (wide_token(nt, k) < num_rows)
+                    mine<float>(lay.l2_sf)[static_cast<int64_t>(j) * lay.num_pool_rows + static_cast<int64_t>(m) * BLOCK_M + o + wide_token(nt, k)] =
+                        __fdiv_rn(a[k], 448.0f);
+        }
+        named_barrier(kBarrierMathAll, kNumMathThreads);
+        // 16-byte chunks of the token rows into the L2 pool
+        constexpr int kChunks = 128 / 16;
+        auto* l2_act = mine<uint8_t>(lay.l2_act);
+        for (int c = mt.tid; c < num_rows * kChunks; c += kNumMathThreads) {
+            const int t = c / kChunks, off = (c % kChunks) * 16;
+            const int64_t g = static_cast<int64_t>(m) * BLOCK_M + o + t;
+            *reinterpret_cast<int4*>(l2_act + g * lay.intermediate_hidden + j * 128 + off) =
+                *reinterpret_cast<const int4*>(tile + t * kMegaMoEEpilogueRowBytes + off);
+        }
+        // release, as the other tiles; only the last pass counts the task in
+        fence_proxy_async_global();
+        named_barrier(kBarrierMathAll, kNumMathThreads);
+        if (last and mt.tid == 0) signal_l1_done(m);
+    }
+
+    // L2 (as transposed_l2_mainloop): the pass's M tiles T = 0 .. 2 kL2Tiles - 1 at B rows 64 T (tile
+    // T is what warpgroup T / kL2Tiles runs there), two at a time through wide_fp4_k_block_pair:
+    // tiles 2 u and 2 u + 1 lie in one 128-row block (a 256-wide pass: row block u, weight scale u;
+    // a 128-wide pass: its one block), so they share a weight scale
+    template <int kN>
+    __device__ bool transposed_l2_mainloop_pair(int o, uint32_t& stage_iter, const MathThread& mt, float (&acc)[kHalves * kL2Tiles][kN / 2]) {
+        static_assert(kPairWide and kHalves == 2 and (kN == 16 or kN == 32), "the CTA pair's transposed tiles: N = 16 / 32");
+        constexpr int kTiles = kHalves * kL2Tiles;
+        const NarrowThread nt(mt);
+        const int num_kb = lay.intermediate_hidden / BLOCK_K;
+        const uint32_t table = opaque_u32(smem_addr(sm.fp4_table));   // once per task
+        #pragma unroll
+        for (int t = 0; t < kTiles; ++t)
+            #pragma unroll
+            for (int i = 0; i < kN / 2; ++i) acc[t][i] = 0.0f;
+        for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
+            if (not wait_full(stage_iter)) return false;
+            const int s = stage_iter % kNumStages;
+            const uint64_t dt = mma::make_k_major_sw128_desc(sm.stage_a(s));
+            float sb[kTiles / 2], sa[kN / 4];   // read before the release below
+            #pragma unroll
+            for (int u = 0; u < kTiles / 2; ++u) sb[u] = sm.weight_sf(s, kL2Tiles == 2 ? u : 0);
+            #pragma unroll
+            for (int u = 0; u < kTiles / 2; ++u) {
+                // N = 32: one set of partial sums (two put the loop's values in local memory: SASS)
+                constexpr bool kOneSet = kN == 32;
+                float part0[kN / 2], part1_own[kN / 2];
+                float (&part1)[kN / 2] = kOneSet ? part0 : part1_own;
+                FP4Rows r0, r1;
+                narrow_fp4_load(s, 2 * u * 64, mt, r0, table), narrow_fp4_load(s, (2 * u + 1) * 64, mt, r1, table);
+                wide_fp4_k_block_pair<kN, kOneSet>(r0, r1, dt, part0, part1, table, [&] {
+                    if (u == 0) wide_token_sf<kN>(s, nt, sa, o);
+                    #pragma unroll
+                    for (int i = 0; i < kN / 2; ++i) acc[2 * u][i] += part0[i] * (sa[wide_slot(i)] * sb[u]);
+                });
+                if (u == kTiles / 2 - 1) release_stage(stage_iter, mt);
+                #pragma unroll
+                for (int i = 0; i < kN / 2; ++i) acc[2 * u + 1][i] += part1[i] * (sa[wide_slot(i)] * sb[u]);
+            }
+        }
+        return true;
+    }
+
+    // L2 epilogue (as transposed_l2_epilogue): the pass's kN token rows of kL2PassN columns staged in
+    // the expanded tile, then the valid ones into the source ranks' combine slots (token o + t)
+    template <int kN>
+    __device__ void transposed_l2_epilogue_pair(int m, int j, int num_rows, int o, bool last_pass, const MathThread& mt,
+                                                const float (&acc)[kHalves * kL2Tiles][kN / 2]) {
+        const NarrowThread nt(mt);
+        constexpr int kRowBytes = kL2PassN * 2 + 16;
+        static_assert(kN * kRowBytes <= mega_moe_expanded_b_bytes(kMmaType, BLOCK_M), "kN staging rows fit the expanded tile");
+        uint8_t* tile = sm.expanded_b;
+        #pragma unroll
+        for (int t = 0; t < kHalves * kL2Tiles; ++t)
+            #pragma unroll
+            for (int i = 0; i < kN / 2; ++i)
+                *reinterpret_cast<__nv_bfloat16*>(tile + (8 * (i / 4) + nt.c0 + i % 2) * kRowBytes + (t * 64 + wide_row(nt, i)) * 2) =
+                    __float2bfloat16_rn(acc[t][i]);
+        named_barrier(kBarrierMathBase + mt.wg, 128);
+        constexpr int kChunks = kL2PassN * 2 / 16;   // a token row's chunks: every column of the pass
+        const int n_max = lay.num_max_tokens_per_rank, topk = lay.num_topk;
+        for (int c = mt.tid; c < num_rows * kChunks; c += 128) {
+            const int t = c / kChunks, off = (c % kChunks) * 16;
+            const int info = __ldcg(mine<int>(lay.row_info) + static_cast<int64_t>(m) * BLOCK_M + o + t);
+            if (info < 0) continue;
+            const int src = info / (n_max * topk), token = (info % (n_max * topk)) / topk, k = info % topk;
+            auto* dst = peer<uint8_t>(src, lay.combine) + ((static_cast<int64_t>(k) * n_max + token) * lay.hidden + j * kL2PassN) * 2 + off;
+            *reinterpret_cast<int4*>(dst) = *reinterpret_cast<const int4*>(tile + t * kRowBytes + off);
+        }
+        end_l2_pass(mt, last_pass);
+    }
+
     // All of this rank's L2 rows are out: tell every source rank
     __device__ void signal_combine_ready() const {
         fence_peers();
@@ -2795,7 +3022,7 @@ struct Kernel {
                 if (mt.tid == 0) trace(kTraceL1Begin, true);
                 const int le = expert_of_mblock(m), rows = valid_rows(m, le);
                 if (kTaskLog and mt.tracer) log_task_id(mt, kTaskKindL1, rows, t);
-                if constexpr (kCtaPair) {
+                if constexpr (kCtaPair and not kPairWide) {
                     // Token passes of 8 (the producer streams the same passes), never split (the host:
                     // l1_split_max 1); only the last pass signals the M-block's L1 count
                     float gate[4 * kHalves], up[4 * kHalves], tok_w[2];
@@ -2807,6 +3034,39 @@ struct Kernel {
                         if (not ok) break;
                         log_task(mt, kTaskStampLoopEnd);
                         narrow_l1_epilogue(m, j, min_of(kNarrowRows, rows - o), mt, gate, up, tok_w, o, q == passes - 1);
+                    }
+                    if (not ok) break;
+                    if (mt.tid == 0 and mt.wg == 0) trace(kTraceL1End);
+                    if (kTaskLog and mt.tracer) log_task(mt, kTaskStampEnd);
+                    continue;
+                }
+                if constexpr (kPairWide) {
+                    // Token passes of 32 (pair_pass: the producer streams the same passes), each a narrow
+                    // or an N = 16 / 32 tile; never split; only the last pass signals the M-block's L1
+                    // count. (The pair without these tiles keeps the loop above, the SASS measured.)
+                    const int passes = pair_token_passes(rows);
+                    bool ok = true;
+                    for (int q = 0; q < passes; ++q) {
+                        const PairPass g = pair_pass(rows, q);
+                        if (g.n == kNarrowRows) {
+                            float gate[4 * kHalves], up[4 * kHalves], tok_w[2];
+                            ok = narrow_l1_mainloop(m, lay.hidden / BLOCK_K, stage_iter, mt, gate, up, tok_w, g.o) and not task_stages_dead(stage_iter);
+                            if (not ok) break;
+                            log_task(mt, kTaskStampLoopEnd);
+                            narrow_l1_epilogue(m, j, g.rows, mt, gate, up, tok_w, g.o, q == passes - 1);
+                        } else {
+                            const auto run = [&](auto n) {
+                                constexpr int kN = decltype(n)::value;
+                                float gate[kHalves][kN / 2], up[kHalves][kN / 2];
+                                if (not transposed_l1_mainloop_pair<kN>(g.o, stage_iter, mt, gate, up) or task_stages_dead(stage_iter)) return false;
+                                log_task(mt, kTaskStampLoopEnd);
+                                transposed_l1_epilogue_pair<kN>(m, j, g.rows, g.o, q == passes - 1, mt, gate, up);
+                                return true;
+                            };
+                            if constexpr (kWideN16) ok = g.n == 16 ? run(std::integral_constant<int, 16>{}) : run(std::integral_constant<int, 32>{});
+                            else ok = run(std::integral_constant<int, 32>{});
+                            if (not ok) break;
+                        }
                     }
                     if (not ok) break;
                     if (mt.tid == 0 and mt.wg == 0) trace(kTraceL1End);
@@ -2854,7 +3114,7 @@ struct Kernel {
                 if (mt.tid == 0) trace(kTraceL2Begin, true);
                 const int le = expert_of_mblock(m), rows = valid_rows(m, le);
                 if (kTaskLog and mt.tracer) log_task_id(mt, kTaskKindL2, rows, t);
-                if constexpr (kCtaPair) {
+                if constexpr (kCtaPair and not kPairWide) {
                     // per weight pass (a 512-wide task: two) the token passes of 8, as the producer;
                     // only the last of all signals the task done
                     float narrow_acc[4 * kL2Tiles * kHalves];
@@ -2868,6 +3128,40 @@ struct Kernel {
                             log_task(mt, kTaskStampLoopEnd);
                             narrow_l2_epilogue(m, kL2Passes * j + pass, min_of(kNarrowRows, rows - o), mt, narrow_acc,
                                                pass == kL2Passes - 1 and q == passes - 1, o);
+                        }
+                    if (not ok) break;
+                    if (mt.tid == 0) trace(kTraceL2End);
+                    if (kTaskLog and mt.tracer) log_task(mt, kTaskStampEnd);
+                    continue;
+                }
+                if constexpr (kPairWide) {
+                    // per weight pass the token passes of 32 (pair_pass), each a narrow or an N = 16 / 32
+                    // tile, as the producer; only the last of all signals the task done
+                    const int passes = pair_token_passes(rows);
+                    bool ok = true;
+                    for (int pass = 0; pass < kL2Passes and ok; ++pass)
+                        for (int q = 0; q < passes; ++q) {
+                            const PairPass g = pair_pass(rows, q);
+                            const bool last = pass == kL2Passes - 1 and q == passes - 1;
+                            if (g.n == kNarrowRows) {
+                                float narrow_acc[4 * kL2Tiles * kHalves];
+                                ok = narrow_l2_mainloop(stage_iter, mt, narrow_acc, g.o) and not task_stages_dead(stage_iter);
+                                if (not ok) break;
+                                log_task(mt, kTaskStampLoopEnd);
+                                narrow_l2_epilogue(m, kL2Passes * j + pass, g.rows, mt, narrow_acc, last, g.o);
+                            } else {
+                                const auto run = [&](auto n) {
+                                    constexpr int kN = decltype(n)::value;
+                                    float wide_acc[kHalves * kL2Tiles][kN / 2];
+                                    if (not transposed_l2_mainloop_pair<kN>(g.o, stage_iter, mt, wide_acc) or task_stages_dead(stage_iter)) return false;
+                                    log_task(mt, kTaskStampLoopEnd);
+                                    transposed_l2_epilogue_pair<kN>(m, kL2Passes * j + pass, g.rows, g.o, last, mt, wide_acc);
+                                    return true;
+                                };
+                                if constexpr (kWideN16) ok = g.n == 16 ? run(std::integral_constant<int, 16>{}) : run(std::integral_constant<int, 32>{});
+                                else ok = run(std::integral_constant<int, 32>{});
+                                if (not ok) break;
+                            }
                         }
                     if (not ok) break;
                     if (mt.tid == 0) trace(kTraceL2End);
