@@ -2798,7 +2798,7 @@ struct Kernel {
         for (int t = 0; t < kTiles; ++t)
             #pragma unroll
             for (int i = 0; i < kN / 2; ++i) acc[t][i] = 0.0f;
-        for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
+        for (const uint32_t end = stage_iter + num_kb; stage_iter != end; ++stage_iter) {   // no K-block index: one register less
             if (not wait_full(stage_iter)) return false;
             const int s = stage_iter % kNumStages;
             const uint64_t dt = mma::make_k_major_sw128_desc(sm.stage_a(s));
