@@ -8,7 +8,7 @@
 #   run(command="bash scripts/device_pair_wide.sh", carry=[".whl", ".jit_cache"])
 #
 # Logs in $OUT: tests.log, sanitizer.log, ab.log. PAIR_WIDE_SKIP_TESTS=1 skips the tests and the
-# sanitizers (the A/B alone, ~4 min). The heuristic's rule for the pair at those rows is to be
+# sanitizers (the A/B alone, ~4 min), PAIR_WIDE_SKIP_AB=1 the A/B. The heuristic's rule for the pair at those rows is to be
 # written from ab.log (docs/PERF.md).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -39,6 +39,7 @@ if [ "${PAIR_WIDE_SKIP_TESTS:-0}" != "1" ]; then
     done
 fi
 echo "tests and sanitizers took $(( $(date +%s) - start )) s"
+[ "${PAIR_WIDE_SKIP_AB:-0}" = "1" ] && exit 0
 # A/B, interleaved twice on this GPU: mid n = 96-512 (6-32 tokens per expert), v4-flash n = 256-1024
 # (6-24), deepseek-v3 n = 192-512 (6-16)
 CASES="fp8xfp4 2048 768 128 8 96 fp8xfp4 2048 768 128 8 128 fp8xfp4 2048 768 128 8 192 fp8xfp4 2048 768 128 8 256
