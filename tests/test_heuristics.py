@@ -553,31 +553,38 @@ def test_signals_thread_counts_tasks_per_sm():
     assert config('fp8xfp4', num_sms=64, **kw)['signals_thread']
 
 
-# The CTA pair (FP8 x FP4 decode, kernel variant `_pair`): from 8 expected L1 + L2 tasks per SM and at
-# most one expected token per expert (docs/PERF.md, sessions 31-32). Rows: (shape, n, picked)
+# The CTA pair (FP8 x FP4 decode, kernel variant `_pair`): below 6 expected tokens per expert (token
+# passes of 8) from 8 expected L1 + L2 tasks per SM (docs/PERF.md, sessions 31-33); from 6 to 16 tokens
+# per expert (passes of 32 with N = 16 / 32 tiles, `_pair_w16`) from 32 tasks per SM (session 35).
+# Rows: (shape, n, picked)
 _V4, _DS, _MID = (256, 6, 4096, 2048), (256, 8, 7168, 2048), (128, 8, 2048, 768)
 
 
 @pytest.mark.parametrize('shape, n, on', [
     (_V4, 1, False), (_V4, 2, False), (_V4, 8, True), (_V4, 16, True), (_V4, 32, True),
     (_V4, 64, True), (_V4, 192, True),
-    (_V4, 256, False),    # 6 tokens per expert: the N = 16 / 32 variant
-    (_DS, 4, True), (_DS, 8, True), (_DS, 32, True), (_DS, 128, True), (_DS, 192, False),
+    (_V4, 256, True), (_V4, 512, True), (_V4, 682, True),   # 6 / 12 / 16 tokens per expert: N = 16 / 32 tiles, 62 tasks per SM
+    (_V4, 683, False), (_V4, 1024, False), (_V4, 2048, False),   # more than 16 per expert: second token passes
+    (_DS, 4, True), (_DS, 8, True), (_DS, 32, True), (_DS, 128, True), (_DS, 192, True), (_DS, 512, True),
+    (_DS, 768, False),
     (_MID, 8, False),     # 6.8 tasks per SM
-    (_MID, 16, True), (_MID, 32, True), (_MID, 64, True), (_MID, 96, False),
+    (_MID, 16, True), (_MID, 32, True), (_MID, 64, True),
+    (_MID, 96, False), (_MID, 256, False),   # 6 / 16 tokens per expert, 13.6 tasks per SM
 ])
 def test_cta_pair_choice(shape, n, on):
     experts, topk, hidden, inter = shape
     c = config('fp8xfp4', num_ranks=1, num_experts=experts, num_topk=topk, hidden=hidden, intermediate_hidden=inter, num_tokens=n)
     assert c['cta_pair'] is on, c
     assert f'cta_pair={int(on)}' in c['description']
+    solo = _C.get_mega_moe_config(MMA_TYPES['fp8xfp4'], 1, experts, topk, hidden, inter, n, H200_SMS, H200_SMEM, cta_pair=0)
+    # the pair keeps the two-warpgroup kernel's transposed tiles: N = 64 only below 6 tokens per expert
+    assert c['wide_n_min'] == solo['wide_n_min'] == (16 if n * topk >= 6 * experts else 64)
     if on:
         # two CTAs an SM: 256 threads, one math warpgroup, two stages in half an SM (228 KB / 2 less the
-        # driver's 1 KB a CTA), N = 64 tiles only; the rest is the two-warpgroup kernel's choice
-        solo = _C.get_mega_moe_config(MMA_TYPES['fp8xfp4'], 1, experts, topk, hidden, inter, n, H200_SMS, H200_SMEM, cta_pair=0)
+        # driver's 1 KB a CTA); the rest is the two-warpgroup kernel's choice
         assert (c['num_sms'], c['num_threads'], c['num_math_warpgroups']) == (2 * H200_SMS, 256, 1)
         assert c['num_stages'] == 2 and c['smem_bytes'] <= 233472 // 2 - 1024 < expected_smem('fp8xfp4', 64, 3)
-        assert c['smem_bytes'] == expected_smem('fp8xfp4', 64, 2) and c['wide_n_min'] == 64
+        assert c['smem_bytes'] == expected_smem('fp8xfp4', 64, 2)
         assert not solo['cta_pair'] and solo['num_sms'] == H200_SMS and solo['num_threads'] == 384
         for key in ('block_m', 'block_n_l2', 'signals_thread', 'num_experts_per_wave'):
             assert c[key] == solo[key], key
@@ -593,10 +600,10 @@ def test_cta_pair_other_formats_and_forcing():
     fp4 = MMA_TYPES['fp8xfp4']
     assert _C.get_mega_moe_config(fp4, 1, 256, 6, 4096, 2048, 1, H200_SMS, H200_SMEM, cta_pair=1)['cta_pair']
     assert not _C.get_mega_moe_config(fp4, 1, 256, 6, 4096, 2048, 8, H200_SMS, H200_SMEM, cta_pair=0)['cta_pair']
-    # forced where the heuristic takes N = 16 tiles (the heuristic's own pick there: no pair): the
-    # pair with them (token passes of 32, narrow or N = 16 / 32 tiles), all else the forced pair's
-    wide = _C.get_mega_moe_config(fp4, 1, 256, 6, 4096, 2048, 512, H200_SMS, H200_SMEM, cta_pair=-1)
-    forced = _C.get_mega_moe_config(fp4, 1, 256, 6, 4096, 2048, 512, H200_SMS, H200_SMEM, cta_pair=1)
+    # forced where the heuristic takes N = 16 tiles but no pair (36 tokens per expert): the pair with
+    # them (token passes of 32, narrow or N = 16 / 32 tiles), all else the forced pair's
+    wide = _C.get_mega_moe_config(fp4, 1, 256, 6, 4096, 2048, 1536, H200_SMS, H200_SMEM, cta_pair=-1)
+    forced = _C.get_mega_moe_config(fp4, 1, 256, 6, 4096, 2048, 1536, H200_SMS, H200_SMEM, cta_pair=1)
     assert wide['wide_n_min'] == 16 and not wide['cta_pair']
     assert forced['cta_pair'] and forced['wide_n_min'] == 16 and forced['num_stages'] == 2 and forced['num_threads'] == 256
     assert forced['block_n_l2'] == wide['block_n_l2'] and forced['signals_thread'] == wide['signals_thread']
@@ -604,9 +611,14 @@ def test_cta_pair_other_formats_and_forcing():
     assert not _C.get_mega_moe_config(fp4, 1, 256, 6, 4096, 2048, 1 << 16, H200_SMS, H200_SMEM, cta_pair=1)['cta_pair']
     with pytest.raises(ValueError, match='cta_pair'):
         _C.get_mega_moe_config(fp4, 1, 256, 6, 4096, 2048, 8, H200_SMS, H200_SMEM, cta_pair=2)
-    # fewer SMs, more tasks per SM: v4-flash at two tokens (384 tasks) pairs on 32 SMs, not on 132
+    # fewer SMs, more tasks per SM: v4-flash at two tokens (384 tasks) pairs on 32 SMs, not on 132;
+    # mid at 6 tokens per expert (1792 tasks, N = 16 tiles) on 48 SMs (37 per SM), not on 132 (13.6)
     assert not config('fp8xfp4', num_tokens=2, **v4)['cta_pair']
     assert config('fp8xfp4', num_tokens=2, num_sms=32, **v4)['cta_pair']
+    mid = dict(num_ranks=1, num_experts=128, num_topk=8, hidden=2048, intermediate_hidden=768, num_tokens=96)
+    assert not config('fp8xfp4', **mid)['cta_pair']
+    on_48 = config('fp8xfp4', num_sms=48, **mid)
+    assert on_48['cta_pair'] and on_48['wide_n_min'] == 16
 
 @pytest.mark.parametrize('override, on', _KIND_OVERRIDES)
 def test_launched_kernel_is_the_cta_pair(override, on):
@@ -615,12 +627,12 @@ def test_launched_kernel_is_the_cta_pair(override, on):
         assert not v['cta_pair'] or v['wide_n_min'] == 64   # these rows are below 6 tokens per expert
 
 
-# DG_MEGA_MOE_CTA_PAIR=1 at v4-flash n = 512 (12 tokens per expert: the heuristic's N = 16 tiles, no
+# DG_MEGA_MOE_CTA_PAIR=1 at v4-flash n = 1536 (36 tokens per expert: the heuristic's N = 16 tiles, no
 # pair) launches the pair with them, `_pair_w16`; with DG_MEGA_MOE_WIDE_N=64 too, the pair of narrow
 # token passes; DG_MEGA_MOE_WIDE_N=32 the pair without N = 16 tiles
 @pytest.mark.parametrize('wide_env, wide', [(None, 16), ('64', 64), ('32', 32)])
 def test_forced_cta_pair_keeps_the_calls_transposed_tiles(wide_env, wide):
-    case = [(MMA_TYPES['fp8xfp4'], 1, 256, 6, 4096, 2048, 512, H200_SMS)]
+    case = [(MMA_TYPES['fp8xfp4'], 1, 256, 6, 4096, 2048, 1536, H200_SMS)]
     extra = {'DG_MEGA_MOE_WIDE_N': wide_env} if wide_env else {}
     (v,) = json.loads(_run_script(_CALLS_SCRIPT, 'DG_MEGA_MOE_CTA_PAIR', '1', 'get_mega_moe_kernel_variant', json.dumps(case),
                                   extra_env=extra))

@@ -243,9 +243,12 @@ def test_fp4_signals_thread(args):
 # ranks, 512-wide L2 tasks (two weight passes, each over every token pass), the kernel without the
 # signals thread, the wide_n_min 32 kernel (no N = 16 tile), the mid shape at 128 tokens (256-wide
 # L2 tasks, M-blocks of ~8: narrow, N = 16 and N = 32 passes), 20 calls back to back on one buffer
-# with changing n and masks (kernels of either wide_n_min in turn); the last two cases are the
+# with changing n and masks (kernels of either wide_n_min in turn); the last four cases are the
 # heuristic's own picks on every SM: mid at 16 tokens (13.6 expected tasks per SM, one token per
-# expert) and at 64 (four per expert: M-blocks of one to ~12 tokens, one or two passes).
+# expert) and at 64 (four per expert: M-blocks of one to ~12 tokens, one or two passes); then its
+# pick of the N = 16 / 32 pair (from 32 tasks per SM, 6-16 tokens per expert: mid on 48 SMs, 37 per
+# SM) at 6 tokens per expert, and at 12 with 29 more calls of 1..192 tokens (the pair of either
+# wide_n_min and the two-warpgroup kernel in turn on one buffer).
 # Third field: the kernel's wide_n_min.
 @pytest.mark.parametrize('args, env, wide', [
     (('--tokens', '8', '--sms', '8'), {}, 64),
@@ -265,8 +268,11 @@ def test_fp4_signals_thread(args):
     (('--tokens', '64', '--sms', '8', '--calls', '20'), {}, 16),
     (('--shape', 'mid', '--tokens', '16', '--sms', 'all'), None, 64),
     (('--shape', 'mid', '--tokens', '64', '--sms', 'all'), None, 64),
+    (('--shape', 'mid', '--tokens', '96', '--sms', '48'), None, 16),
+    (('--shape', 'mid', '--tokens', '192', '--sms', '48', '--calls', '30'), None, 16),
 ], ids=['narrow', 'two-passes', 'eight-passes', 'w16-n16', 'w16-n32-passes', 'w32', 'ep2', 'wide-ep4', 'wide-ep4-w64',
-        'l2-512', 'l2-512-w64', 'no-signals', 'mid', 'mid-w64', 'back-to-back', 'heuristic', 'heuristic-passes'])
+        'l2-512', 'l2-512-w64', 'no-signals', 'mid', 'mid-w64', 'back-to-back', 'heuristic', 'heuristic-passes',
+        'heuristic-w16', 'heuristic-w16-calls'])
 def test_fp4_cta_pair(args, env, wide):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     args = tuple(str(_C.get_num_sms()) if a == 'all' else a for a in args)

@@ -58,6 +58,16 @@ constexpr int kL2WideTokensPerExpert = 8;
 // one token (1.5); at 6 tokens per expert, against the N = 16 / 32 variant, deepseek-v3 +1.6 %,
 // v4-flash -0.7 %, mid -6.1 % (left to that variant)
 constexpr int kCtaPairMinTasksPerSM = 8;
+// The CTA pair with N = 16 / 32 transposed tiles (token passes of 32: `_pair_w16`) where the
+// two-warpgroup kernel takes them (from kFP4WideTokensPerExpert): up to this many expected tokens per
+// expert, and from kCtaPairWideMinTasksPerSM expected tasks per SM. Measured (docs/PERF.md, session
+// 35, two-warpgroup kernel -> pair, one H200): v4-flash n = 256 / 384 / 512 / 1024 (6 / 9 / 12 / 24
+// tokens per expert, 62 tasks per SM) -2.6 / -2.2 / -2.7 / -7.1 %, deepseek-v3 n = 192 / 256 / 512
+// (6 / 8 / 16, 85 per SM) -2.9 / -3.3 / -4.8 %; mid n = 96-512 (6-32, 13.6 per SM) +0.7 to +12.7 %;
+// past the edge (one H100): deepseek-v3 n = 768 / 1024 (24 / 32) +5.9 / +31 %, v4-flash n = 1536
+// (36) +38 %: M-blocks of more than 32 tokens take a second pass over their weights
+constexpr int kCtaPairWideMaxTokensPerExpert = 16;
+constexpr int kCtaPairWideMinTasksPerSM = 32;
 // Shared memory of one SM (228 KB) and what the driver reserves per resident CTA (1 KB): each CTA of
 // the pair gets half less that reserve
 constexpr int kSM90SmemPerSM = 233472;
@@ -269,18 +279,21 @@ inline MegaMoEConfig get_mega_moe_config(MmaType mma_type, int num_ranks, int nu
     // (decode FP8 x FP4: 2 stages) and every M-block runs as token passes, never split-K: passes of 8
     // tokens as narrow tiles (wide_n_min 64), or with wide_n_min 16 / 32 passes of 32 tokens, each a
     // narrow or an N = 16 / 32 transposed tile. The heuristic picks it where an SM runs many tasks of
-    // M-blocks of a few tokens (kCtaPairMinTasksPerSM; not where the N = 16 / 32 variant runs: the
-    // pair with those tiles is built, forced by cta_pair = 1, not yet measured on a GPU)
+    // M-blocks of a few tokens (kCtaPairMinTasksPerSM), and with the N = 16 / 32 tiles where an SM
+    // runs many tasks of M-blocks of at most ~32 tokens (kCtaPairWideMinTasksPerSM,
+    // kCtaPairWideMaxTokensPerExpert: past them a second token pass re-reads the weights)
     c.cta_pair = false;
     const int pair_smem = min_of(max_smem_bytes, kSM90SmemPerSM / 2 - kSM90SmemReservedPerCTA);
     const bool pair_fits = mega_moe_smem_bytes(mma_type, c.block_m, kMinStages) <= pair_smem;
     const bool pair_ok = mega_moe_cta_pair_ok(mma_type, c.block_m, 64) and pair_fits;
-    const bool pair_wanted = expected_tasks >= static_cast<int64_t>(kCtaPairMinTasksPerSM) * num_sms and
-                             c.wide_n_min == 64;
+    const bool pair_narrow = c.wide_n_min == 64 and expected_tasks >= static_cast<int64_t>(kCtaPairMinTasksPerSM) * num_sms;
+    const bool pair_wide = c.wide_n_min == 16 and expected_tasks >= static_cast<int64_t>(kCtaPairWideMinTasksPerSM) * num_sms and
+                           num_routed_pairs <= static_cast<int64_t>(kCtaPairWideMaxTokensPerExpert) * num_experts;
+    const bool pair_wanted = pair_narrow or pair_wide;
     if (pair_ok and (cta_pair == 1 or (cta_pair == -1 and pair_wanted))) {
         int stages = kMaxStages;
         while (mega_moe_smem_bytes(mma_type, c.block_m, stages) > pair_smem) --stages;   // >= kMinStages (pair_fits)
-        c.cta_pair = true;   // with the heuristic's wide_n_min: 64 where it picks the pair, 16 where only forced
+        c.cta_pair = true;   // with the heuristic's wide_n_min: 64 below 6 tokens per expert, 16 from there
         c.num_stages = stages;
         c.num_prefetch_stages = min_of(c.num_prefetch_stages, stages);
         c.num_prefetch_stages_l2 = min_of(c.num_prefetch_stages_l2, stages);
