@@ -11,12 +11,15 @@ from deep_gemm.mega import MMA_TYPES
 
 H200_SMEM = 232448
 H200_SMS = 132
+# Peak HBM bandwidth in GB/s as the launcher computes it from the device (2 x memory clock x bus width)
+H200_HBM = 4917
+H100_HBM = 3352
 
 
 def config(mma_type='fp8xfp4', num_ranks=8, num_experts=256, num_topk=8, hidden=7168, intermediate_hidden=2048,
-           num_tokens=128, num_sms=H200_SMS, max_smem_bytes=H200_SMEM):
+           num_tokens=128, num_sms=H200_SMS, max_smem_bytes=H200_SMEM, hbm_gbps=H200_HBM):
     return _C.get_mega_moe_config(MMA_TYPES[mma_type], num_ranks, num_experts, num_topk, hidden,
-                                  intermediate_hidden, num_tokens, num_sms, max_smem_bytes)
+                                  intermediate_hidden, num_tokens, num_sms, max_smem_bytes, hbm_gbps=hbm_gbps)
 
 
 def expected_smem(mma_type, block_m, stages):
@@ -576,6 +579,11 @@ def test_cta_pair_choice(shape, n, on):
     c = config('fp8xfp4', num_ranks=1, num_experts=experts, num_topk=topk, hidden=hidden, intermediate_hidden=inter, num_tokens=n)
     assert c['cta_pair'] is on, c
     assert f'cta_pair={int(on)}' in c['description']
+    # on an H100 (and where the bandwidth is unknown) the pair of N = 16 / 32 tiles is not taken
+    for hbm in (H100_HBM, 0):
+        other = config('fp8xfp4', num_ranks=1, num_experts=experts, num_topk=topk, hidden=hidden, intermediate_hidden=inter,
+                       num_tokens=n, hbm_gbps=hbm)
+        assert other['cta_pair'] is (on and c['wide_n_min'] == 64), (hbm, other)
     solo = _C.get_mega_moe_config(MMA_TYPES['fp8xfp4'], 1, experts, topk, hidden, inter, n, H200_SMS, H200_SMEM, cta_pair=0)
     # the pair keeps the two-warpgroup kernel's transposed tiles: N = 64 only below 6 tokens per expert
     assert c['wide_n_min'] == solo['wide_n_min'] == (16 if n * topk >= 6 * experts else 64)
@@ -619,6 +627,14 @@ def test_cta_pair_other_formats_and_forcing():
     assert not config('fp8xfp4', **mid)['cta_pair']
     on_48 = config('fp8xfp4', num_sms=48, **mid)
     assert on_48['cta_pair'] and on_48['wide_n_min'] == 16
+    assert not config('fp8xfp4', num_sms=48, hbm_gbps=H100_HBM, **mid)['cta_pair']
+    with pytest.raises(ValueError, match='hbm_gbps'):
+        config('fp8xfp4', hbm_gbps=-1, **mid)
+    # the launcher passes the bandwidth through (-1, its default: the current device's; none here on a
+    # CPU-only machine: 0, no pair of N = 16 / 32 tiles)
+    v4_512 = (fp4, 1, 256, 6, 4096, 2048, 512, H200_SMS)
+    picks = [_C.get_mega_moe_kernel_variant(*v4_512, hbm_gbps=hbm) for hbm in (H200_HBM, H100_HBM)]
+    assert [(v['cta_pair'], v['wide_n_min'], v['name'].endswith('_pair_w16')) for v in picks] == [(True, 16, True), (False, 16, False)]
 
 @pytest.mark.parametrize('override, on', _KIND_OVERRIDES)
 def test_launched_kernel_is_the_cta_pair(override, on):

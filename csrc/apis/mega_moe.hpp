@@ -127,10 +127,10 @@ inline void register_apis(py::module_& m) {
 
     m.def("get_mega_moe_kernel_variant",
           [](int mma_type, int num_ranks, int num_experts, int num_topk, int hidden, int intermediate_hidden,
-             int num_tokens, int num_sms, int max_smem_bytes, bool fast_math, bool ranks_share_gpu) {
+             int num_tokens, int num_sms, int max_smem_bytes, bool fast_math, bool ranks_share_gpu, int hbm_gbps) {
               const auto [config, v] = jit_kernels::select_sm90_mega_moe_variant(
                   mega_moe_mma_type(mma_type), num_ranks, num_experts, num_topk, hidden, intermediate_hidden,
-                  num_tokens, num_sms, max_smem_bytes, fast_math, ranks_share_gpu);
+                  num_tokens, num_sms, max_smem_bytes, fast_math, ranks_share_gpu, hbm_gbps);
               py::dict d;
               d["name"] = v.name();
               d["mma_type"] = static_cast<int>(v.mma_type);
@@ -146,12 +146,13 @@ inline void register_apis(py::module_& m) {
           py::arg("mma_type"), py::arg("num_ranks"), py::arg("num_experts"), py::arg("num_topk"), py::arg("hidden"),
           py::arg("intermediate_hidden"), py::arg("num_tokens"), py::arg("num_sms"),
           py::arg("max_smem_bytes") = mega_moe_tiles::kSM90MaxSmemBytes, py::arg("fast_math") = true,
-          py::arg("ranks_share_gpu") = false,
+          py::arg("ranks_share_gpu") = false, py::arg("hbm_gbps") = -1,
           "The kernel variant launch_mega_moe would launch for this shape and token count (the heuristic's\n"
           "config with DG_MEGA_MOE_L2_BLOCK_N and DG_MEGA_MOE_WIDE_N applied): dict of name, mma_type, block_m,\n"
           "num_stages, fast_math, block_n_l2, wide_n_min, signals_thread, cta_pair (DG_MEGA_MOE_SIGNALS_THREAD and\n"
           "DG_MEGA_MOE_CTA_PAIR applied too; ranks_share_gpu: other ranks' kernels run on this GPU at once, as\n"
-          "virtual ranks do, so no CTA pair unless forced). Works without a GPU.");
+          "virtual ranks do, so no CTA pair unless forced; hbm_gbps: the GPU's peak HBM bandwidth in GB/s, -1 the\n"
+          "current device's as the launcher takes it, 0 where there is none). Works without a GPU.");
 }
 
 }  // namespace deep_gemm::apis::mega_moe

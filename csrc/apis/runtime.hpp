@@ -53,6 +53,7 @@ inline py::dict device_info_dict(int device) {
     out["clock_rate_khz"] = info.clock_rate_khz;
     out["memory_clock_rate_khz"] = info.memory_clock_rate_khz;
     out["memory_bus_width_bits"] = info.memory_bus_width_bits;
+    out["hbm_gbps"] = jit::hbm_gbps(info);   // peak, what the heuristics take (get_mega_moe_config)
     out["total_memory_bytes"] = info.total_memory_bytes;
     out["driver_version"] = jit::driver_version();
     return out;

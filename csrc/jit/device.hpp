@@ -148,6 +148,12 @@ inline const DeviceInfo& device_info(int ordinal) {
 
 inline const DeviceInfo& current_device_info() { return device_info(current_device()); }
 
+// Peak HBM bandwidth of a device in GB/s: double data rate x memory clock x bus width (H100 SXM:
+// 2 x 2619 MHz x 5120 bits = 3352; H200: 2 x 3201 MHz x 6144 bits = 4917)
+inline int hbm_gbps(const DeviceInfo& info) {
+    return static_cast<int>(2.0 * info.memory_clock_rate_khz * 1e3 * (info.memory_bus_width_bits / 8) / 1e9);
+}
+
 // Driver version as an integer, e.g. 13000 for CUDA 13.0 (what cuDriverGetVersion reports).
 inline int driver_version() {
     const auto& d = driver();

@@ -65,9 +65,13 @@ constexpr int kCtaPairMinTasksPerSM = 8;
 // tokens per expert, 62 tasks per SM) -2.6 / -2.2 / -2.7 / -7.1 %, deepseek-v3 n = 192 / 256 / 512
 // (6 / 8 / 16, 85 per SM) -2.9 / -3.3 / -4.8 %; mid n = 96-512 (6-32, 13.6 per SM) +0.7 to +12.7 %;
 // past the edge (one H100): deepseek-v3 n = 768 / 1024 (24 / 32) +5.9 / +31 %, v4-flash n = 1536
-// (36) +38 %: M-blocks of more than 32 tokens take a second pass over their weights
+// (36) +38 %: M-blocks of more than 32 tokens take a second pass over their weights. Only on parts
+// with at least kCtaPairWideMinHbmGBps of peak HBM bandwidth: on an H100 (3.35 TB/s, where these
+// rows run at its HBM rate) the same rows measured +1.9 to +3.5 % (v4-flash n = 256 / 512 / 682,
+// deepseek-v3 n = 192 / 512), against the H200's (4.9 TB/s) gains above
 constexpr int kCtaPairWideMaxTokensPerExpert = 16;
 constexpr int kCtaPairWideMinTasksPerSM = 32;
+constexpr int kCtaPairWideMinHbmGBps = 4000;
 // Shared memory of one SM (228 KB) and what the driver reserves per resident CTA (1 KB): each CTA of
 // the pair gets half less that reserve
 constexpr int kSM90SmemPerSM = 233472;
@@ -133,10 +137,12 @@ inline MmaType mega_moe_mma_type(int mma_type) {
 // `num_expected_tokens_per_rank` is the caller's `n` (tokens this call), `num_sms` the SMs the
 // persistent grid may use (not necessarily the whole GPU), `max_smem_bytes` the opt-in shared memory
 // of one block (232448 on H100/H200). `cta_pair`: -1 the heuristic's choice, 0 never, 1 wherever
-// the kernel has the variant (FP8 x FP4 decode whose half of an SM fits two stages).
+// the kernel has the variant (FP8 x FP4 decode whose half of an SM fits two stages). `hbm_gbps`: the
+// GPU's peak HBM bandwidth in GB/s (H100 SXM 3352, H200 4915), 0 unknown: choices measured to win on
+// one part and lose on the other are taken only where it is known (kCtaPairWideMinHbmGBps).
 inline MegaMoEConfig get_mega_moe_config(MmaType mma_type, int num_ranks, int num_experts, int num_topk,
                                          int hidden, int intermediate_hidden, int num_expected_tokens_per_rank,
-                                         int num_sms, int max_smem_bytes, int cta_pair = -1) {
+                                         int num_sms, int max_smem_bytes, int cta_pair = -1, int hbm_gbps = 0) {
     using namespace mega_moe_tiles;
     mega_moe_mma_type(static_cast<int>(mma_type));   // the one range check of the format
     if (num_ranks < 1 or num_ranks > kMaxRanks)
@@ -157,6 +163,8 @@ inline MegaMoEConfig get_mega_moe_config(MmaType mma_type, int num_ranks, int nu
         throw_invalid_config_arg("max_smem_bytes", max_smem_bytes, "a positive byte count (232448 on H100/H200)");
     if (cta_pair < -1 or cta_pair > 1)
         throw_invalid_config_arg("cta_pair", cta_pair, "-1 (the heuristic's choice), 0 or 1");
+    if (hbm_gbps < 0)
+        throw_invalid_config_arg("hbm_gbps", hbm_gbps, ">= 0 (0: unknown)");
 
     MegaMoEConfig c{};
     c.mma_type = mma_type;
@@ -281,13 +289,15 @@ inline MegaMoEConfig get_mega_moe_config(MmaType mma_type, int num_ranks, int nu
     // narrow or an N = 16 / 32 transposed tile. The heuristic picks it where an SM runs many tasks of
     // M-blocks of a few tokens (kCtaPairMinTasksPerSM), and with the N = 16 / 32 tiles where an SM
     // runs many tasks of M-blocks of at most ~32 tokens (kCtaPairWideMinTasksPerSM,
-    // kCtaPairWideMaxTokensPerExpert: past them a second token pass re-reads the weights)
+    // kCtaPairWideMaxTokensPerExpert: past them a second token pass re-reads the weights) on a GPU
+    // with H200-class HBM (kCtaPairWideMinHbmGBps)
     c.cta_pair = false;
     const int pair_smem = min_of(max_smem_bytes, kSM90SmemPerSM / 2 - kSM90SmemReservedPerCTA);
     const bool pair_fits = mega_moe_smem_bytes(mma_type, c.block_m, kMinStages) <= pair_smem;
     const bool pair_ok = mega_moe_cta_pair_ok(mma_type, c.block_m, 64) and pair_fits;
     const bool pair_narrow = c.wide_n_min == 64 and expected_tasks >= static_cast<int64_t>(kCtaPairMinTasksPerSM) * num_sms;
-    const bool pair_wide = c.wide_n_min == 16 and expected_tasks >= static_cast<int64_t>(kCtaPairWideMinTasksPerSM) * num_sms and
+    const bool pair_wide = c.wide_n_min == 16 and hbm_gbps >= kCtaPairWideMinHbmGBps and
+                           expected_tasks >= static_cast<int64_t>(kCtaPairWideMinTasksPerSM) * num_sms and
                            num_routed_pairs <= static_cast<int64_t>(kCtaPairWideMaxTokensPerExpert) * num_experts;
     const bool pair_wanted = pair_narrow or pair_wide;
     if (pair_ok and (cta_pair == 1 or (cta_pair == -1 and pair_wanted))) {

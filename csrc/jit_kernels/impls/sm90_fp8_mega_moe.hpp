@@ -173,10 +173,22 @@ inline bool select_mega_moe_signals_thread(const MegaMoEConfig& config) {
     return on and mega_moe_signals_thread_ok(config.mma_type, config.block_m);
 }
 
-// The config a call launches (the heuristic's, with the L2 width, wide tiles and signals thread above) and its kernel variant
+// Peak HBM bandwidth (GB/s) of the current device, for the heuristic's bandwidth-dependent choices;
+// 0 (unknown) without a driver or a device, as on a CPU-only machine
+inline int current_device_hbm_gbps() {
+    if (not jit::has_cuda_driver()) return 0;
+    try {
+        return jit::hbm_gbps(jit::current_device_info());
+    } catch (const std::exception&) {
+        return 0;
+    }
+}
+
+// The config a call launches (the heuristic's, with the L2 width, wide tiles and signals thread above) and its kernel variant.
+// hbm_gbps: the GPU's peak HBM bandwidth, -1 the current device's (current_device_hbm_gbps)
 inline std::pair<MegaMoEConfig, SM90MegaMoEVariant> select_sm90_mega_moe_variant(
         MmaType mma_type, int num_ranks, int num_experts, int num_topk, int hidden, int intermediate_hidden,
-        int num_tokens, int num_sms, int max_smem_bytes, bool fast_math, bool ranks_share_gpu = false) {
+        int num_tokens, int num_sms, int max_smem_bytes, bool fast_math, bool ranks_share_gpu = false, int hbm_gbps = -1) {
     // The CTA pair: the heuristic's choice, or the tuning aid DG_MEGA_MOE_CTA_PAIR = 0 / 1 (read once per
     // process) where the kernel has the variant, with the call's wide_n_min (DG_MEGA_MOE_WIDE_N applies:
     // the pair's token passes of 32 with N = 16 / 32 tiles, or of 8 at 64). Not the heuristic's where ranks share the GPU (virtual
@@ -187,7 +199,8 @@ inline std::pair<MegaMoEConfig, SM90MegaMoEVariant> select_sm90_mega_moe_variant
     static const int pair_override = read_env_choice("DG_MEGA_MOE_CTA_PAIR", {"0", "1"});
     const int pair_choice = pair_override >= 0 ? pair_override : ranks_share_gpu ? 0 : -1;
     auto config = get_mega_moe_config(mma_type, num_ranks, num_experts, num_topk, hidden, intermediate_hidden,
-                                      num_tokens, num_sms, max_smem_bytes, pair_choice);
+                                      num_tokens, num_sms, max_smem_bytes, pair_choice,
+                                      hbm_gbps >= 0 ? hbm_gbps : current_device_hbm_gbps());
     config.block_n_l2 = select_mega_moe_l2_block_n(config, hidden);
     config.wide_n_min = select_mega_moe_wide_n_min(config);
     config.signals_thread = select_mega_moe_signals_thread(config);
