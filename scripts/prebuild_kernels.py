@@ -34,12 +34,13 @@ from deep_gemm.mega.launch import kernel_variant  # noqa: E402
 
 H200_SMEM = 232448
 H200_SMS = 132
+H200_HBM_GBPS = 4917   # the launcher's bandwidth-dependent picks (the CTA pair with N = 16 / 32 tiles) as on the H200
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_FORMATS = ('fp8xfp8', 'bf16xbf16')
 
 
 def _key(fmt, n, num_ranks, experts, topk, hidden, inter, fast):
-    return kernel_variant(fmt, num_ranks, experts, topk, hidden, inter, n, H200_SMS, H200_SMEM, fast)
+    return kernel_variant(fmt, num_ranks, experts, topk, hidden, inter, n, H200_SMS, H200_SMEM, fast, hbm_gbps=H200_HBM_GBPS)
 
 
 def variants(formats=DEFAULT_FORMATS):

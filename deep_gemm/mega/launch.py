@@ -38,14 +38,16 @@ def ranks_share_gpu(buf) -> bool:
 
 
 def kernel_variant(kind: str, num_ranks: int, num_experts: int, num_topk: int, hidden: int, intermediate_hidden: int,
-                   num_tokens: int, num_sms: int, max_smem: int, fast_math: bool = True, shares_gpu: bool = False):
+                   num_tokens: int, num_sms: int, max_smem: int, fast_math: bool = True, shares_gpu: bool = False,
+                   hbm_gbps: int = -1):
     """(mma_type, block_m, num_stages, fast_math, block_n_l2, wide_n_min, signals_thread, cta_pair) of the kernel
     that a call with these arguments launches: the C++ launcher's own choice (heuristic, DG_MEGA_MOE_L2_BLOCK_N,
     DG_MEGA_MOE_WIDE_N, DG_MEGA_MOE_SIGNALS_THREAD and DG_MEGA_MOE_CTA_PAIR), the arguments of
-    `_C.compile_mega_moe`. `shares_gpu`: `ranks_share_gpu(buf)` of the rank (virtual ranks: True)."""
+    `_C.compile_mega_moe`. `shares_gpu`: `ranks_share_gpu(buf)` of the rank (virtual ranks: True). `hbm_gbps`:
+    the GPU's peak HBM bandwidth in GB/s, -1 the current device's as the launcher takes it (0 without one)."""
     v = _C.get_mega_moe_kernel_variant(mma_type_to_int(kind), num_ranks, num_experts, num_topk, hidden,
                                        intermediate_hidden, int(num_tokens), int(num_sms), int(max_smem),
-                                       bool(fast_math), bool(shares_gpu))
+                                       bool(fast_math), bool(shares_gpu), int(hbm_gbps))
     return v['mma_type'], v['block_m'], v['num_stages'], v['fast_math'], v['block_n_l2'], v['wide_n_min'], v['signals_thread'], v['cta_pair']
 
 
