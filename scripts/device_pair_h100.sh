@@ -6,15 +6,10 @@
 #   run(command="bash scripts/device_pair_h100.sh", kind="nvidia-h100-x1", carry=[".whl", ".jit_cache"])
 set -uo pipefail
 source scripts/device_setup.sh
+source scripts/pair_ab_rounds.sh
 export DG_JIT_CACHE_DIR=$PWD/.jit_cache PYTHONPATH=/tmp/site:$PWD
 cat "$OUT/gpu.txt"
 CASES="fp8xfp4 4096 2048 256 6 8 fp8xfp4 4096 2048 256 6 32 fp8xfp4 4096 2048 256 6 128 fp8xfp4 4096 2048 256 6 192
        fp8xfp4 7168 2048 256 8 8 fp8xfp4 7168 2048 256 8 32 fp8xfp4 7168 2048 256 8 128
        fp8xfp4 2048 768 128 8 16 fp8xfp4 2048 768 128 8 32 fp8xfp4 2048 768 128 8 64"
-for round in 1 2; do
-    for pair in heuristic 0; do
-        echo "[round $round DG_MEGA_MOE_CTA_PAIR=$pair]" | tee -a "$OUT/ab.log"
-        if [ $pair = heuristic ]; then timeout 100 python3 scripts/time_fused.py $CASES 2>&1 | tee -a "$OUT/ab.log"
-        else DG_MEGA_MOE_CTA_PAIR=0 timeout 100 python3 scripts/time_fused.py $CASES 2>&1 | tee -a "$OUT/ab.log"; fi
-    done
-done
+pair_ab_rounds "heuristic 0" $CASES

@@ -22,6 +22,7 @@ else
     source scripts/device_setup.sh
 fi
 export DG_JIT_CACHE_DIR=$PWD/.jit_cache PYTHONPATH=/tmp/site:$PWD
+source scripts/pair_ab_rounds.sh
 if [ "${PAIR_WIDE_SKIP_TESTS:-0}" != "1" ]; then
     # memcheck: M-blocks of 64 and 36 tokens (two N = 32 passes; an N = 32 pass and a narrow one);
     # racecheck without --error-exitcode (the exit is one_launch's own: its result checked under the
@@ -46,10 +47,5 @@ CASES="fp8xfp4 2048 768 128 8 96 fp8xfp4 2048 768 128 8 128 fp8xfp4 2048 768 128
        fp8xfp4 2048 768 128 8 512 fp8xfp4 4096 2048 256 6 256 fp8xfp4 4096 2048 256 6 384 fp8xfp4 4096 2048 256 6 512
        fp8xfp4 4096 2048 256 6 1024 fp8xfp4 7168 2048 256 8 192 fp8xfp4 7168 2048 256 8 256 fp8xfp4 7168 2048 256 8 512"
 python3 -c "from scripts.trace import warm_up_gpu; warm_up_gpu()"
-for round in 1 2; do
-    for pair in 0 1; do
-        echo "[round $round DG_MEGA_MOE_CTA_PAIR=$pair]" | tee -a "$OUT/ab.log"
-        DG_MEGA_MOE_CTA_PAIR=$pair python3 scripts/time_fused.py $CASES 2>&1 | tee -a "$OUT/ab.log"
-    done
-done
+pair_ab_rounds "0 1" $CASES
 echo "all took $(( $(date +%s) - start )) s"

@@ -16,6 +16,7 @@
 # Logs in $OUT: racecheck.log (the tool's full output), check.log, ab.log.
 set -uo pipefail
 source scripts/device_setup.sh
+source scripts/pair_ab_rounds.sh
 export DG_JIT_CACHE_DIR=$PWD/.jit_cache PYTHONPATH=/tmp/site:$PWD
 start=$(date +%s)
 rc_run() {   # label, env assignments..., -- one_launch args...
@@ -38,10 +39,5 @@ done
 echo "checks took $(( $(date +%s) - start )) s"
 CASES="fp8xfp4 4096 2048 256 6 1536 fp8xfp4 4096 2048 256 6 2048 fp8xfp4 4096 2048 256 6 2600
        fp8xfp4 7168 2048 256 8 768 fp8xfp4 7168 2048 256 8 1024 fp8xfp4 7168 2048 256 8 2048"
-for round in 1 2; do
-    for pair in 0 1; do
-        echo "[round $round DG_MEGA_MOE_CTA_PAIR=$pair]" | tee -a "$OUT/ab.log"
-        DG_MEGA_MOE_CTA_PAIR=$pair timeout 100 python3 scripts/time_fused.py $CASES 2>&1 | tee -a "$OUT/ab.log"
-    done
-done
+pair_ab_rounds "0 1" $CASES
 echo "all took $(( $(date +%s) - start )) s"

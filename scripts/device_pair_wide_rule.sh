@@ -15,6 +15,7 @@ set -uo pipefail
 DG_TESTS_TIMEOUT_S=${DG_TESTS_TIMEOUT_S:-330} bash scripts/device_run.sh tests/test_mega_moe_gpu.py tests/test_faults_gpu.py | tail -4
 export DG_JIT_CACHE_DIR=$PWD/.jit_cache PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
+source scripts/pair_ab_rounds.sh
 start=$(date +%s)
 for i in 1 2 3; do
     DG_MEGA_MOE_CTA_PAIR=1 timeout 120 compute-sanitizer --tool racecheck python3 scripts/one_launch.py --format fp8xfp4 --sms 2 --tokens 48 > /tmp/san.log 2>&1
@@ -25,11 +26,5 @@ done
 echo "racecheck took $(( $(date +%s) - start )) s"
 CASES="fp8xfp4 4096 2048 256 6 256 fp8xfp4 4096 2048 256 6 512 fp8xfp4 4096 2048 256 6 682 fp8xfp4 4096 2048 256 6 1024
        fp8xfp4 7168 2048 256 8 192 fp8xfp4 7168 2048 256 8 512 fp8xfp4 2048 768 128 8 96"
-for round in 1 2; do
-    for pair in heuristic 0; do
-        echo "[round $round DG_MEGA_MOE_CTA_PAIR=$pair]" | tee -a "$OUT/ab.log"
-        if [ $pair = heuristic ]; then timeout 100 python3 scripts/time_fused.py $CASES 2>&1 | tee -a "$OUT/ab.log"
-        else DG_MEGA_MOE_CTA_PAIR=0 timeout 100 python3 scripts/time_fused.py $CASES 2>&1 | tee -a "$OUT/ab.log"; fi
-    done
-done
+pair_ab_rounds "heuristic 0" $CASES
 echo "all took $(( $(date +%s) - start )) s"

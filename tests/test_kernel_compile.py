@@ -203,8 +203,9 @@ def test_virtual_ranks_prepare_every_variant_before_the_first_launch(monkeypatch
     args = [e[1] for e in events[:4]]
     assert [a[-1] for a in args] == [False] * 4, 'CPU buffers: compiled, not loaded'
     # The kernels the launcher picks per rank (mma_type, ..., num_tokens, num_sms, max_smem, fast_math)
-    assert [e[2] for e in events[:4]] == [{'ranks_share_gpu': True}] * 4, 'virtual ranks share the GPU'
-    variants = [_C.get_mega_moe_kernel_variant(*a[:-1], ranks_share_gpu=True) for a in args]
+    # virtual ranks share the GPU; CPU buffers: no device, bandwidth unknown (0)
+    assert [e[2] for e in events[:4]] == [{'ranks_share_gpu': True, 'hbm_gbps': 0}] * 4
+    variants = [_C.get_mega_moe_kernel_variant(*a[:-1], ranks_share_gpu=True, hbm_gbps=0) for a in args]
     assert [v['block_m'] for v in variants] == [64, 64, 64, 128]
     assert [v['block_n_l2'] for v in variants] == [512, 256, 128, 128]
     assert [a[6] for a in args] == ns

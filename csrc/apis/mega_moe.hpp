@@ -19,7 +19,7 @@ inline void register_apis(py::module_& m) {
              int64_t l1_weight_scales, int64_t l1_weight_deltas, int64_t l2_weights, int64_t l2_weight_scales,
              int64_t l2_weight_deltas, int64_t stats, int64_t host_status,
              int64_t trace, int64_t stream, double activation_clamp, bool fast_math, double timeout_s, int num_sms, int max_smem_bytes,
-             bool peers_on_this_gpu, bool ranks_share_gpu) {
+             bool peers_on_this_gpu, bool ranks_share_gpu, int hbm_gbps) {
               if (buffers.empty() or buffers.size() > static_cast<size_t>(kMaxRanks))
                   throw std::invalid_argument("buffers: expected 1.." + std::to_string(kMaxRanks) + " peer addresses");
               if (rank < 0 or rank >= static_cast<int>(buffers.size()))
@@ -37,7 +37,7 @@ inline void register_apis(py::module_& m) {
                                              y, l1_weights, l1_weight_scales, l1_weight_deltas, l2_weights, l2_weight_scales,
                                              l2_weight_deltas, stats,
                                              host_status, trace, stream, activation_clamp, fast_math, timeout_s, num_sms,
-                                             max_smem_bytes, peers_on_this_gpu, ranks_share_gpu};
+                                             max_smem_bytes, peers_on_this_gpu, ranks_share_gpu, hbm_gbps};
               // Nothing is returned: formatting the config on every call would cost host time
               // (DG_PRINT_CONFIGS prints each distinct one once)
               jit_kernels::launch_sm90_mega_moe(a);
@@ -48,7 +48,9 @@ inline void register_apis(py::module_& m) {
           py::arg("l2_weights"), py::arg("l2_weight_scales"), py::arg("l2_weight_deltas"), py::arg("stats"), py::arg("host_status"), py::arg("trace"), py::arg("stream"),
           py::arg("activation_clamp"), py::arg("fast_math"), py::arg("timeout_s"), py::arg("num_sms"),
           py::arg("max_smem_bytes"), py::arg("peers_on_this_gpu") = false, py::arg("ranks_share_gpu") = false,
-          "Launch one rank's Mega MoE kernel (addresses as ints; validated by deep_gemm.mega.api).");
+          py::arg("hbm_gbps") = -1,
+          "Launch one rank's Mega MoE kernel (addresses as ints; validated by deep_gemm.mega.api). hbm_gbps:\n"
+          "the GPU's peak HBM bandwidth in GB/s (get_device_info), -1 the current device's.");
 
     m.def("launch_mega_moe_stage",
           [](int mma_type, int num_ranks, int num_experts, int num_max_tokens_per_rank, int num_topk, int hidden,
@@ -85,14 +87,14 @@ inline void register_apis(py::module_& m) {
 
     m.def("prepare_mega_moe",
           [](int mma_type, int num_ranks, int num_experts, int num_topk, int hidden, int intermediate_hidden,
-             int num_tokens, int num_sms, int max_smem_bytes, bool fast_math, bool load, bool ranks_share_gpu) {
+             int num_tokens, int num_sms, int max_smem_bytes, bool fast_math, bool load, bool ranks_share_gpu, int hbm_gbps) {
               return jit_kernels::prepare_sm90_mega_moe(mega_moe_mma_type(mma_type), num_ranks, num_experts, num_topk,
                                                         hidden, intermediate_hidden, num_tokens, num_sms, max_smem_bytes,
-                                                        fast_math, load, ranks_share_gpu);
+                                                        fast_math, load, ranks_share_gpu, hbm_gbps);
           },
           py::arg("mma_type"), py::arg("num_ranks"), py::arg("num_experts"), py::arg("num_topk"), py::arg("hidden"),
           py::arg("intermediate_hidden"), py::arg("num_tokens"), py::arg("num_sms"), py::arg("max_smem_bytes"),
-          py::arg("fast_math") = true, py::arg("load") = false, py::arg("ranks_share_gpu") = false,
+          py::arg("fast_math") = true, py::arg("load") = false, py::arg("ranks_share_gpu") = false, py::arg("hbm_gbps") = -1,
           "Compile the kernel variant launch_mega_moe would launch for these arguments (works without a GPU)\n"
           "and, with load=True, load it into the current CUDA context as its first launch would (module load,\n"
           "shared-memory opt-in). Returns the kernel's cache directory.");

@@ -19,14 +19,23 @@ from .. import _C
 from . import status
 from .buffer import mma_type_to_int
 
-_max_smem_by_device = {}
+_device_info_by_index = {}
+
+
+def _device_info(device: torch.device) -> dict:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _device_info_by_index:
+        _device_info_by_index[index] = _C.get_device_info(index)
+    return _device_info_by_index[index]
 
 
 def _max_smem(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _max_smem_by_device:
-        _max_smem_by_device[index] = int(_C.get_device_info(index)['max_smem_per_block_optin'])
-    return _max_smem_by_device[index]
+    return int(_device_info(device)['max_smem_per_block_optin'])
+
+
+def _hbm_gbps(device: torch.device) -> int:
+    """Peak HBM bandwidth in GB/s, which the heuristics take where a choice depends on it."""
+    return int(_device_info(device)['hbm_gbps'])
 
 
 def ranks_share_gpu(buf) -> bool:
@@ -72,7 +81,8 @@ def compile_mega_moe_kernel(kind: str, num_tokens: int, buf, fast_math: bool = T
     with torch.cuda.device(buf.device) if load else contextlib.nullcontext():
         _C.prepare_mega_moe(mma_type_to_int(kind), buf.num_ranks, buf.num_experts, buf.num_topk, buf.hidden,
                             buf.intermediate_hidden, int(num_tokens), int(num_sms), int(_max_smem(buf.device)),
-                            bool(fast_math), load, ranks_share_gpu=ranks_share_gpu(buf))
+                            bool(fast_math), load, ranks_share_gpu=ranks_share_gpu(buf),
+                            hbm_gbps=_hbm_gbps(buf.device) if load else 0)
     _compiled_calls.add(key)
 
 
@@ -103,4 +113,4 @@ def launch_mega_moe(kind: str, y: torch.Tensor, l1, l2, buf, stats: Optional[tor
         stream=torch.cuda.current_stream(y.device).cuda_stream,
         activation_clamp=0.0 if activation_clamp is None else float(activation_clamp), fast_math=bool(fast_math),
         timeout_s=status.get_timeout(), num_sms=int(num_sms), max_smem_bytes=_max_smem(y.device),
-        peers_on_this_gpu=bool(buf.peers_on_this_gpu), ranks_share_gpu=ranks_share_gpu(buf))
+        peers_on_this_gpu=bool(buf.peers_on_this_gpu), ranks_share_gpu=ranks_share_gpu(buf), hbm_gbps=_hbm_gbps(y.device))

@@ -138,7 +138,7 @@ inline MmaType mega_moe_mma_type(int mma_type) {
 // persistent grid may use (not necessarily the whole GPU), `max_smem_bytes` the opt-in shared memory
 // of one block (232448 on H100/H200). `cta_pair`: -1 the heuristic's choice, 0 never, 1 wherever
 // the kernel has the variant (FP8 x FP4 decode whose half of an SM fits two stages). `hbm_gbps`: the
-// GPU's peak HBM bandwidth in GB/s (H100 SXM 3352, H200 4915), 0 unknown: choices measured to win on
+// GPU's peak HBM bandwidth in GB/s (H100 SXM 3352, H200 4917), 0 unknown: choices measured to win on
 // one part and lose on the other are taken only where it is known (kCtaPairWideMinHbmGBps).
 inline MegaMoEConfig get_mega_moe_config(MmaType mma_type, int num_ranks, int num_experts, int num_topk,
                                          int hidden, int intermediate_hidden, int num_expected_tokens_per_rank,

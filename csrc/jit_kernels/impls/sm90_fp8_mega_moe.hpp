@@ -134,6 +134,7 @@ struct SM90MegaMoEArgs {
     int max_smem_bytes;
     bool peers_on_this_gpu = false; // every rank's buffer on this GPU (EP1, virtual ranks): gpu-scope signals
     bool ranks_share_gpu = false;   // other ranks' kernels of the call run on this GPU at once (virtual ranks): no CTA pair
+    int hbm_gbps = -1;              // the GPU's peak HBM bandwidth (GB/s; the Python launcher's cached device info), -1 ask the driver
 };
 
 inline CUtensorMap make_kmajor_tma(int64_t ptr, CUtensorMapDataType dtype, uint64_t k, uint64_t rows, uint32_t box_k,
@@ -173,8 +174,9 @@ inline bool select_mega_moe_signals_thread(const MegaMoEConfig& config) {
     return on and mega_moe_signals_thread_ok(config.mma_type, config.block_m);
 }
 
-// Peak HBM bandwidth (GB/s) of the current device, for the heuristic's bandwidth-dependent choices;
-// 0 (unknown) without a driver or a device, as on a CPU-only machine
+// Peak HBM bandwidth (GB/s) of the current device, for the heuristic's bandwidth-dependent choices
+// where the caller does not pass it (the Python launcher does, from its cached device info: no driver
+// query per call); 0 (unknown) without a driver or a device, as on a CPU-only machine
 inline int current_device_hbm_gbps() {
     if (not jit::has_cuda_driver()) return 0;
     try {
@@ -215,10 +217,10 @@ inline std::pair<MegaMoEConfig, SM90MegaMoEVariant> select_sm90_mega_moe_variant
 // a load between two ranks' launches waits for the first rank, which waits for the second.
 inline std::string prepare_sm90_mega_moe(MmaType mma_type, int num_ranks, int num_experts, int num_topk, int hidden,
                                          int intermediate_hidden, int num_tokens, int num_sms, int max_smem_bytes,
-                                         bool fast_math, bool load, bool ranks_share_gpu = false) {
+                                         bool fast_math, bool load, bool ranks_share_gpu = false, int hbm_gbps = -1) {
     const auto [config, variant] = select_sm90_mega_moe_variant(mma_type, num_ranks, num_experts, num_topk, hidden,
                                                                 intermediate_hidden, num_tokens, num_sms, max_smem_bytes,
-                                                                fast_math, ranks_share_gpu);
+                                                                fast_math, ranks_share_gpu, hbm_gbps);
     const auto dir = variant.compile();
     if (load)
         jit::get_kernel(dir, "sm90_mega_moe").ensure_dynamic_smem(static_cast<uint32_t>(config.smem_bytes));
@@ -236,7 +238,7 @@ inline MegaMoEConfig launch_sm90_mega_moe(const SM90MegaMoEArgs& a) {
     const int num_ranks = static_cast<int>(a.buffers.size());
     const auto [config, variant] = select_sm90_mega_moe_variant(a.mma_type, num_ranks, a.num_experts, a.num_topk, a.hidden,
                                                                 a.intermediate_hidden, a.num_tokens, a.num_sms,
-                                                                a.max_smem_bytes, a.fast_math, a.ranks_share_gpu);
+                                                                a.max_smem_bytes, a.fast_math, a.ranks_share_gpu, a.hbm_gbps);
     print_config_if_requested(config);
     auto& kernel = jit::get_kernel(variant.compile(), "sm90_mega_moe");
 
