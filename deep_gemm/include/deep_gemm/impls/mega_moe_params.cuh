@@ -31,7 +31,14 @@ DG_HOST_DEVICE constexpr uint64_t make_status(StatusCode code, Phase phase, uint
 constexpr int kMegaMoEBlockNL1 = 256;        // 128 gate + 128 up rows (interleaved by the transform)
 constexpr int kMegaMoEBlockNL2 = 128;        // L2 tile; an L2 task is one tile or two (kernel variant kL2BlockN)
 constexpr int kMegaMoEMaxLocalExperts = 512; // scheduler tables in shared memory
-constexpr int kMegaMoETaskRing = 4;          // scheduler -> roles task ring depth
+constexpr int kMegaMoETaskRing = 4;          // scheduler -> roles task ring depth (decode kernels)
+// The ring's depth by kernel: every role reads every ticket, so the producer runs at most this many
+// tickets ahead of the slowest reader. In prefill that is the dispatch warps, each of whose pulls
+// (a 128-row M-block, ~60 us) holds its ring position, so with 4 slots the math ran out of tickets
+// behind a CTA's first pulls (gaps of ~60 us between its first L1 tasks: docs/PERF.md, session 36);
+// 32 slots cover the L1 tasks of a CTA's pulls. Decode pulls take a few us: 4 (and 80 bytes of
+// shared memory for its deeper pipelines).
+DG_HOST_DEVICE constexpr int mega_moe_task_ring(int block_m) { return block_m == 128 ? 32 : kMegaMoETaskRing; }
 // Narrow decode tiles: M-blocks of a BLOCK_M = 64 kernel with at most this many tokens; their A
 // tiles are loaded as boxes of this many rows (the host builds a second activation tensor map)
 constexpr int kMegaMoENarrowRows = 8;
@@ -147,8 +154,8 @@ constexpr int kMegaMoESignalBytes = 2 * kMegaMoESignalPosts * (2 * 8 + 4);
 // mbarriers (stages x 2 + ring x 2), ring slots, per-expert token counts and M-block table, the
 // pulled M-block's row sources, 64 bytes of scalars, up to 16 bytes aligning them, the expansion
 // table and its padding
-DG_HOST_DEVICE constexpr int mega_moe_control_smem_bytes(int num_stages) {
-    return align_up(num_stages * 16 + kMegaMoETaskRing * 20 + (2 * kMegaMoEMaxLocalExperts + 1) * 4 +
+DG_HOST_DEVICE constexpr int mega_moe_control_smem_bytes(int num_stages, int block_m) {
+    return align_up(num_stages * 16 + mega_moe_task_ring(block_m) * 20 + (2 * kMegaMoEMaxLocalExperts + 1) * 4 +
                     layout::kMaxBlockM * 4 + 64 + 16 + kMegaMoEFP4TablePad + kMegaMoEFP4TableBytes, 1024);
 }
 // A pulled row's source in one uint32: rank in the top 3 bits, token slot (token * top-k + k)
@@ -186,7 +193,7 @@ DG_HOST_DEVICE constexpr int mega_moe_smem_bytes(MmaType t, int block_m, int num
     // +1024: the dynamic shared-memory base is re-aligned to 1024 B for the swizzled tiles
     return num_stages * (mega_moe_stage_bytes(t, block_m) + mega_moe_stage_extra_bytes(t, block_m)) +
            mega_moe_expanded_b_bytes(t, block_m) + mega_moe_epilogue_smem_bytes(t, block_m) + mega_moe_pull_staging_bytes(t, block_m) +
-           mega_moe_combine_bar_bytes(block_m) + mega_moe_control_smem_bytes(num_stages) + 1024;
+           mega_moe_combine_bar_bytes(block_m) + mega_moe_control_smem_bytes(num_stages, block_m) + 1024;
 }
 
 // The task log's stamps (slot k of a task's entry, scripts/trace.py reads them by these names): the

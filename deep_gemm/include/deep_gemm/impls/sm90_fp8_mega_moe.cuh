@@ -104,6 +104,7 @@ struct SharedControl {
     int l1_split;      // K parts per L1 tile this call (1, 2 or 4), decided alike by every CTA
     int split_last;    // the math's split-K exchange: this CTA finished the tile's last part
     unsigned long long trace_first;   // trace slots stamped so far (first-only stamps, scripts/trace.py)
+    uint32_t owed_l2[2];              // prefill kernels: L2 tasks done and not yet counted, per math warpgroup (kBatchL2Counts)
 };
 static_assert(sizeof(SharedControl) <= 64, "the 64 bytes of scalars in mega_moe_control_smem_bytes");
 static_assert(kTraceTaskBase <= 64, "one bit of SharedControl::trace_first per first-only trace slot");
@@ -217,6 +218,7 @@ struct Kernel {
     static_assert(not kEpilogueInExpanded or kL2BlockN == kMegaMoEBlockNL2,
                   "a two-tile L2 task would need epilogue_tile_free() between its tiles");
     static constexpr int kNumRingConsumers = kNumDispatchThreads + 128 * kNumMathWGs;
+    static constexpr int kTaskRing = mega_moe_task_ring(BLOCK_M);   // the task ring's depth (mega_moe_params.cuh)
     static_assert(kStageBytes == kABytes + (kFP4 ? kMegaMoEBlockNL1 * kMegaMoEPackedRowBytes : kBBytesL1));
     // FP8 x FP4: the deltas' tensor copy lands at each stage's delta slot, 128-byte aligned (the base
     // is 1024-aligned; the stages, the expanded tile and the epilogue tile are whole 128-byte units)
@@ -275,9 +277,9 @@ struct Kernel {
             full = reinterpret_cast<uint64_t*>(c);
             empty = full + kNumStages;
             ring_full = empty + kNumStages;
-            ring_empty = ring_full + kMegaMoETaskRing;
-            ring_task = reinterpret_cast<int*>(ring_empty + kMegaMoETaskRing);
-            expert_tokens = ring_task + kMegaMoETaskRing;
+            ring_empty = ring_full + kTaskRing;
+            ring_task = reinterpret_cast<int*>(ring_empty + kTaskRing);
+            expert_tokens = ring_task + kTaskRing;
             mblock_begin = expert_tokens + kMegaMoEMaxLocalExperts;
             pull_rows = reinterpret_cast<uint32_t*>(mblock_begin + kMegaMoEMaxLocalExperts + 1);
             ctrl = reinterpret_cast<SharedControl*>(align_up<uintptr_t>(reinterpret_cast<uintptr_t>(pull_rows + L::kMaxBlockM), 16));
@@ -292,7 +294,7 @@ struct Kernel {
         // the budget the host allocates (mega_moe_control_smem_bytes): aligning the table to 128
         // from a 16-aligned address skips at most kMegaMoEFP4TablePad bytes
         static constexpr int kControlBytesUsed =
-            align_up(align_up(kNumStages * 16 + kMegaMoETaskRing * 20 + (2 * kMegaMoEMaxLocalExperts + 1) * 4 + L::kMaxBlockM * 4, 16) +
+            align_up(align_up(kNumStages * 16 + kTaskRing * 20 + (2 * kMegaMoEMaxLocalExperts + 1) * 4 + L::kMaxBlockM * 4, 16) +
                      static_cast<int>(sizeof(SharedControl)), 16) + kMegaMoEFP4TablePad + kMegaMoEFP4TableBytes;
         static_assert(kNumMathWGs * kMegaMoESignalPosts * (2 * 8 + 4) <= kMegaMoESignalBytes and
                       (BLOCK_M != 64 or BLOCK_M * 4 + 4 + kMegaMoESignalBytes <= L::kMaxBlockM * 4),
@@ -300,7 +302,7 @@ struct Kernel {
         __device__ uint64_t* signal_full(int wg, int q) const { return signal_bars + (wg * kMegaMoESignalPosts + q) * 2; }
         __device__ uint64_t* signal_empty(int wg, int q) const { return signal_full(wg, q) + 1; }
         __device__ uint32_t signal_post(int wg, int q) const { return smem_addr(signal_posts + wg * kMegaMoESignalPosts + q); }
-        static_assert(kControlBytesUsed <= mega_moe_control_smem_bytes(kNumStages), "control block outgrew its budget");
+        static_assert(kControlBytesUsed <= mega_moe_control_smem_bytes(kNumStages, BLOCK_M), "control block outgrew its budget");
         // The pull's slots and their mbarriers, after re-aligning to 128 B (at most 127 B lost), within the host's budget
         static constexpr int kSlots = mega_moe_pull_slots(kMmaType, BLOCK_M);
         static_assert(kSlots == 0 or kSlots * (kMegaMoEPullSlotBytes + 8) + 127 <= mega_moe_pull_staging_bytes(kMmaType, BLOCK_M),
@@ -366,6 +368,16 @@ struct Kernel {
     static_assert(not kSignalsThreadBuild or mega_moe_signals_thread_ok(kMmaType, BLOCK_M), "the signals thread: FP8 x FP4 decode kernels only");
     int owed_l1_m = -1;
     bool owed_l2 = false;
+    // Prefill (BLOCK_M = 128) kernels count a warpgroup's L2 tasks in one release when it leaves
+    // them (at its first combine ticket, or when it leaves the task loop) instead of one release and
+    // returning atomic per task: a CTA's tickets rise, so its L2 tasks come in one run, and only the
+    // combine, which waits for every L2 task of the rank (combine_ready), reads the count. Per task
+    // the fence waited for the 16 KB of combine rows just stored, in front of the next task's
+    // barrier (L2 epilogue 4.8 us at mid FP8 n = 4096 on an H100: docs/PERF.md, session 36). The
+    // count lives in shared memory (SharedControl::owed_l2): a register held across the task loop
+    // puts local accesses into these kernels' K-loops (see kDeferTaskSignals).
+    static constexpr bool kBatchL2Counts = BLOCK_M == 128;
+    static_assert(kNumMathWGs <= 2, "SharedControl::owed_l2 has a word per math warpgroup");
 
     __device__ Kernel(const MegaMoEParams& params, uint8_t* smem_base) : p(params), lay(params.layout), sm(smem_base) {}
 
@@ -1008,9 +1020,9 @@ struct Kernel {
         };
         for (int i = 0;; ++i) {
             int t = i == 0 ? sm.ctrl->first_task : static_cast<int>(atomicAdd(control + L::kControlTaskQueue, 1));
-            const int slot = i % kMegaMoETaskRing;
+            const int slot = i % kTaskRing;
             const bool slot_free = bounded_wait(p, sm.ctrl, Phase::kPipeline, p.rank,
-                                                [&] { return mbarrier_try_wait(sm.ring_empty + slot, ((i / kMegaMoETaskRing) & 1) ^ 1); });
+                                                [&] { return mbarrier_try_wait(sm.ring_empty + slot, ((i / kTaskRing) & 1) ^ 1); });
             if (not slot_free) t = total;    // aborted: let every role leave
             sm.ring_task[slot] = t;
             mbarrier_arrive(sm.ring_full + slot);
@@ -1028,7 +1040,7 @@ struct Kernel {
                 // next claim then leaves). After the last one the next ticket ends the CTA: claim it now.
                 if (t + 1 < total)
                     bounded_wait(p, sm.ctrl, Phase::kPipeline, p.rank,
-                                 [&] { return mbarrier_try_wait(sm.ring_empty + slot, (i / kMegaMoETaskRing) & 1); });
+                                 [&] { return mbarrier_try_wait(sm.ring_empty + slot, (i / kTaskRing) & 1); });
                 continue;
             }
             is_l1 = t < tasks.l1_end();
@@ -1258,14 +1270,14 @@ struct Kernel {
     // Every consumer thread releases the slot once (release_task): at once, but a math thread holding a
     // combine task only once combine_ready is in.
     __device__ int next_task(int i, int total, bool release = true) {
-        const int slot = i % kMegaMoETaskRing;
+        const int slot = i % kTaskRing;
         const bool ok = bounded_wait(p, sm.ctrl, Phase::kPipeline, p.rank,
-                                     [&] { return mbarrier_try_wait_suspend<kRingSuspendNs>(sm.ring_full + slot, (i / kMegaMoETaskRing) & 1); });
+                                     [&] { return mbarrier_try_wait_suspend<kRingSuspendNs>(sm.ring_full + slot, (i / kTaskRing) & 1); });
         const int t = ok ? sm.ring_task[slot] : total;
         if (release) release_task(i);
         return t;
     }
-    __device__ void release_task(int i) { mbarrier_arrive(sm.ring_empty + i % kMegaMoETaskRing); }
+    __device__ void release_task(int i) { mbarrier_arrive(sm.ring_empty + i % kTaskRing); }
 
     // Dispatch warps: pull tasks from the ring
     __device__ void dispatch_worker() {
@@ -1776,6 +1788,29 @@ struct Kernel {
         if (mt.tid == 0) signal_l1_done(m);
     }
 
+    // An L2 epilogue's copy-out: thread `tid` of a warpgroup copies chunk tid % kChunks of rows
+    // r0 + i x (128 / kChunks), i < kPasses. Their routing (row_info: source rank, token, top-k slot)
+    // is loaded for every pass at once, before the tile is staged, so its round trip overlaps the
+    // staging stores and the barrier: loaded inside the copy loop, each pass waited for its own load
+    // (L2 latency), 8 or 16 of them in a row (a 128-row L2 epilogue took 5.8 us: docs/PERF.md,
+    // session 36). Rows past `rows` get -1 (never written back, as masked slots).
+    template <int kChunks, int kPasses>
+    __device__ void load_row_infos(int (&info)[kPasses], int64_t first_row, int tid, int rows) const {
+        static_assert(128 % kChunks == 0, "a pass covers whole rows");
+        const int* row_info = mine<int>(lay.row_info) + first_row;
+        #pragma unroll
+        for (int i = 0; i < kPasses; ++i) {
+            const int r = tid / kChunks + i * (128 / kChunks);
+            info[i] = r < rows ? __ldcg(row_info + r) : -1;
+        }
+    }
+    // Row `info`'s combine slot in its source rank's buffer: byte `byte` of H-column block `col0`
+    __device__ uint8_t* combine_slot(int info, int64_t col0, int byte) const {
+        const int n_max = lay.num_max_tokens_per_rank, topk = lay.num_topk;
+        const int src = info / (n_max * topk), token = (info % (n_max * topk)) / topk, k = info % topk;
+        return peer<uint8_t>(src, lay.combine) + ((static_cast<int64_t>(k) * n_max + token) * lay.hidden + col0) * 2 + byte;
+    }
+
     // L2 epilogue: BF16 rows straight into the source rank's combine slot [k][token][hidden]. Each
     // warpgroup stages and copies out only its own part of the tile (its 64 rows, or split: its 64
     // columns), so the two never share shared-memory bytes here. `j`: the tile's 128-column block
@@ -1785,6 +1820,11 @@ struct Kernel {
     __device__ void l2_epilogue(int m, int j, int num_rows, const MathThread& mt, float (&acc)[kL2Acc]) {
         uint8_t* tile = sm.epilogue + mt.row0() * kMegaMoEEpilogueRowBytes;
         const int col_base = kSplitN ? mt.wg * 64 : 0;      // columns of the 128-wide N-block
+        constexpr int kChunks = kL2Cols * 2 / 16;          // 16-byte chunks of this warpgroup's columns
+        constexpr int kPasses = 64 * kChunks / 128;
+        const int rows = max_of(0, min_of(64, num_rows - mt.row0()));   // padding rows are never written back
+        int info[kPasses];
+        load_row_infos<kChunks>(info, static_cast<int64_t>(m) * BLOCK_M + mt.row0(), mt.tid, rows);
         #pragma unroll
         for (int half = 0; half < 2; ++half) {
             uint8_t* row = tile + (mt.row_in_tile(half) - mt.row0()) * kMegaMoEEpilogueRowBytes;
@@ -1795,17 +1835,12 @@ struct Kernel {
             }
         }
         named_barrier(kBarrierMathBase + mt.wg, 128);
-        const int* row_info = mine<int>(lay.row_info);
-        const int n_max = lay.num_max_tokens_per_rank, topk = lay.num_topk;
-        constexpr int kChunks = kL2Cols * 2 / 16;          // 16-byte chunks of this warpgroup's columns
-        const int rows = max_of(0, min_of(64, num_rows - mt.row0()));   // padding rows are never written back
-        for (int c = mt.tid; c < rows * kChunks; c += 128) {
-            const int r = c / kChunks, col = col_base * 2 + (c % kChunks) * 16;
-            const int info = __ldcg(row_info + static_cast<int64_t>(m) * BLOCK_M + mt.row0() + r);
-            if (info < 0) continue;
-            const int src = info / (n_max * topk), token = (info % (n_max * topk)) / topk, k = info % topk;
-            auto* dst = peer<uint8_t>(src, lay.combine) + ((static_cast<int64_t>(k) * n_max + token) * lay.hidden + j * 128) * 2 + col;
-            *reinterpret_cast<int4*>(dst) = *reinterpret_cast<const int4*>(tile + r * kMegaMoEEpilogueRowBytes + col);
+        const int col = col_base * 2 + (mt.tid % kChunks) * 16;
+        #pragma unroll
+        for (int i = 0; i < kPasses; ++i) {
+            const int r = mt.tid / kChunks + i * (128 / kChunks);
+            if (info[i] >= 0)
+                *reinterpret_cast<int4*>(combine_slot(info[i], j * 128, col)) = *reinterpret_cast<const int4*>(tile + r * kMegaMoEEpilogueRowBytes + col);
         }
         end_l2_pass(mt, kLastTile);
     }
@@ -1823,14 +1858,25 @@ struct Kernel {
         named_barrier(kBarrierMathBase + mt.wg, 128);
         if (mt.tid == 0) {
             if constexpr (kDeferTaskSignals) owed_l2 = true;
+            else if constexpr (kBatchL2Counts) ++sm.ctrl->owed_l2[mt.wg];
             else count_l2_task();
         }
     }
-    __device__ void count_l2_task() {
+    // `n` L2 tasks of a warpgroup done: every combine row they stored is released (the fence after
+    // the tasks' barriers covers every thread's stores: cumulativity)
+    __device__ void count_l2_task(uint32_t n = 1) {
         fence_peers();
         const uint32_t target = static_cast<uint32_t>(tasks.num_mblocks * tasks.num_l2_nblocks * kNumMathWGs);
-        if (atom_acq_rel_gpu_add(mine<uint32_t>(lay.control) + L::kControlL2TasksDone, 1) + 1 == target)
+        if (atom_acq_rel_gpu_add(mine<uint32_t>(lay.control) + L::kControlL2TasksDone, n) + n == target)
             signal_combine_ready();
+    }
+    // kBatchL2Counts: thread 0 of a warpgroup whose next ticket is not an L2 task (or that leaves)
+    // counts the L2 tasks it owes, before anything of that ticket can wait for combine_ready
+    __device__ void raise_l2_counts(const MathThread& mt, int next_task) {
+        if constexpr (kBatchL2Counts) {
+            if (mt.tid != 0 or (next_task >= tasks.l1_end() and next_task < tasks.l2_end())) return;
+            if (const uint32_t n = sm.ctrl->owed_l2[mt.wg]; n > 0) sm.ctrl->owed_l2[mt.wg] = 0, count_l2_task(n);
+        }
     }
     // release (thread 0 of a warpgroup, after the epilogue's barrier: cumulativity covers every
     // thread's rows and scales): the L2 tasks of M-block m may read its L1 outputs
@@ -1890,9 +1936,9 @@ struct Kernel {
         uint64_t idle_since = 0;
         for (;;) {
             bool progress = false;
-            while (not ring_done and mbarrier_test_wait(sm.ring_full + ring_next % kMegaMoETaskRing, (ring_next / kMegaMoETaskRing) & 1)) {
-                const int t = sm.ring_task[ring_next % kMegaMoETaskRing];
-                mbarrier_arrive_count(sm.ring_empty + ring_next % kMegaMoETaskRing, kNumDispatchThreads);
+            while (not ring_done and mbarrier_test_wait(sm.ring_full + ring_next % kTaskRing, (ring_next / kTaskRing) & 1)) {
+                const int t = sm.ring_task[ring_next % kTaskRing];
+                mbarrier_arrive_count(sm.ring_empty + ring_next % kTaskRing, kNumDispatchThreads);
                 ++ring_next, ring_done = t >= total, progress = true;
             }
             #pragma unroll
@@ -2381,29 +2427,24 @@ struct Kernel {
         static_assert(kNarrowRows * kRowBytes <= BLOCK_M * kMegaMoEEpilogueRowBytes, "staging rows fit the epilogue tile");
         uint8_t* tile = sm.epilogue;
         const int col = mt.wg * kL2Tiles * 64;
+        constexpr int kChunks = kL2Tiles * kHalves * 64 * 2 / 16;   // this warpgroup's columns of a token row
+        static_assert(kCtaPair or kNarrowRows * kChunks <= 128, "one 16-byte chunk per thread");
+        // the pair: both halves' columns, up to two chunks a thread; else one chunk a thread at most
+        constexpr int kPasses = ceil_div(kNarrowRows * kChunks, 128);
+        int info[kPasses];
+        load_row_infos<kChunks>(info, static_cast<int64_t>(m) * BLOCK_M + o, mt.tid, num_rows);
         #pragma unroll
         for (int t = 0; t < kL2Tiles * kHalves; ++t)
             #pragma unroll
             for (int i = 0; i < 4; ++i)
                 *reinterpret_cast<__nv_bfloat16*>(tile + nt.token(i) * kRowBytes + (col + t * 64 + nt.row(i)) * 2) = __float2bfloat16_rn(acc[4 * t + i]);
         named_barrier(kBarrierMathBase + mt.wg, 128);
-        constexpr int kChunks = kL2Tiles * kHalves * 64 * 2 / 16;   // this warpgroup's columns of a token row
-        static_assert(kCtaPair or kNarrowRows * kChunks <= 128, "one 16-byte chunk per thread");
-        const auto copy_chunk = [&](int q) {
-            const int t = q / kChunks, c = col * 2 + (q % kChunks) * 16;
-            const int info = __ldcg(mine<int>(lay.row_info) + static_cast<int64_t>(m) * BLOCK_M + o + t);
-            if (info >= 0) {
-                const int n_max = lay.num_max_tokens_per_rank, topk = lay.num_topk;
-                const int src = info / (n_max * topk), token = (info % (n_max * topk)) / topk, k = info % topk;
-                auto* dst = peer<uint8_t>(src, lay.combine) + ((static_cast<int64_t>(k) * n_max + token) * lay.hidden + j * kL2PassN) * 2 + c;
-                *reinterpret_cast<int4*>(dst) = *reinterpret_cast<const int4*>(tile + t * kRowBytes + c);
-            }
-        };
-        // the pair: both halves' columns, up to two chunks a thread; else one chunk a thread at most
-        if constexpr (kCtaPair) {
-            for (int q = mt.tid; q < num_rows * kChunks; q += 128) copy_chunk(q);
-        } else if (mt.tid < num_rows * kChunks) {
-            copy_chunk(mt.tid);
+        const int c = col * 2 + (mt.tid % kChunks) * 16;
+        #pragma unroll
+        for (int i = 0; i < kPasses; ++i) {
+            const int t = mt.tid / kChunks + i * (128 / kChunks);
+            if (info[i] >= 0)
+                *reinterpret_cast<int4*>(combine_slot(info[i], j * kL2PassN, c)) = *reinterpret_cast<const int4*>(tile + t * kRowBytes + c);
         }
         end_l2_pass(mt, last_pass);
     }
@@ -2638,6 +2679,10 @@ struct Kernel {
                       "64 staging rows fit the expanded tile and the epilogue tile after it");
         uint8_t* tile = sm.expanded_b;
         const int col = mt.wg * kL2Tiles * 64;
+        constexpr int kChunks = kL2Tiles * 64 * 2 / 16;
+        constexpr int kPasses = ceil_div(kN * kChunks, 128);   // at most kN rows
+        int info[kPasses];
+        load_row_infos<kChunks>(info, static_cast<int64_t>(m) * BLOCK_M, mt.tid, num_rows);
         #pragma unroll
         for (int t = 0; t < kL2Tiles; ++t)
             #pragma unroll
@@ -2645,15 +2690,12 @@ struct Kernel {
                 *reinterpret_cast<__nv_bfloat16*>(tile + (8 * (i / 4) + nt.c0 + i % 2) * kRowBytes + (col + t * 64 + wide_row(nt, i)) * 2) =
                     __float2bfloat16_rn(acc[(kN / 2) * t + i]);
         named_barrier(kBarrierMathBase + mt.wg, 128);
-        constexpr int kChunks = kL2Tiles * 64 * 2 / 16;
-        const int n_max = lay.num_max_tokens_per_rank, topk = lay.num_topk;
-        for (int c = mt.tid; c < num_rows * kChunks; c += 128) {
-            const int t = c / kChunks, off = col * 2 + (c % kChunks) * 16;
-            const int info = __ldcg(mine<int>(lay.row_info) + static_cast<int64_t>(m) * BLOCK_M + t);
-            if (info < 0) continue;
-            const int src = info / (n_max * topk), token = (info % (n_max * topk)) / topk, k = info % topk;
-            auto* dst = peer<uint8_t>(src, lay.combine) + ((static_cast<int64_t>(k) * n_max + token) * lay.hidden + j * kL2PassN) * 2 + off;
-            *reinterpret_cast<int4*>(dst) = *reinterpret_cast<const int4*>(tile + t * kRowBytes + off);
+        const int off = col * 2 + (mt.tid % kChunks) * 16;
+        #pragma unroll
+        for (int i = 0; i < kPasses; ++i) {
+            const int t = mt.tid / kChunks + i * (128 / kChunks);
+            if (info[i] >= 0)
+                *reinterpret_cast<int4*>(combine_slot(info[i], j * kL2PassN, off)) = *reinterpret_cast<const int4*>(tile + t * kRowBytes + off);
         }
         end_l2_pass(mt, last_pass);
     }
@@ -2835,6 +2877,10 @@ struct Kernel {
         constexpr int kRowBytes = kL2PassN * 2 + 16;
         static_assert(kN * kRowBytes <= mega_moe_expanded_b_bytes(kMmaType, BLOCK_M), "kN staging rows fit the expanded tile");
         uint8_t* tile = sm.expanded_b;
+        constexpr int kChunks = kL2PassN * 2 / 16;   // a token row's chunks: every column of the pass
+        constexpr int kPasses = ceil_div(kN * kChunks, 128);   // at most kN rows
+        int info[kPasses];
+        load_row_infos<kChunks>(info, static_cast<int64_t>(m) * BLOCK_M + o, mt.tid, num_rows);
         #pragma unroll
         for (int t = 0; t < kHalves * kL2Tiles; ++t)
             #pragma unroll
@@ -2842,15 +2888,12 @@ struct Kernel {
                 *reinterpret_cast<__nv_bfloat16*>(tile + (8 * (i / 4) + nt.c0 + i % 2) * kRowBytes + (t * 64 + wide_row(nt, i)) * 2) =
                     __float2bfloat16_rn(acc[t][i]);
         named_barrier(kBarrierMathBase + mt.wg, 128);
-        constexpr int kChunks = kL2PassN * 2 / 16;   // a token row's chunks: every column of the pass
-        const int n_max = lay.num_max_tokens_per_rank, topk = lay.num_topk;
-        for (int c = mt.tid; c < num_rows * kChunks; c += 128) {
-            const int t = c / kChunks, off = (c % kChunks) * 16;
-            const int info = __ldcg(mine<int>(lay.row_info) + static_cast<int64_t>(m) * BLOCK_M + o + t);
-            if (info < 0) continue;
-            const int src = info / (n_max * topk), token = (info % (n_max * topk)) / topk, k = info % topk;
-            auto* dst = peer<uint8_t>(src, lay.combine) + ((static_cast<int64_t>(k) * n_max + token) * lay.hidden + j * kL2PassN) * 2 + off;
-            *reinterpret_cast<int4*>(dst) = *reinterpret_cast<const int4*>(tile + t * kRowBytes + off);
+        const int off = (mt.tid % kChunks) * 16;
+        #pragma unroll
+        for (int i = 0; i < kPasses; ++i) {
+            const int t = mt.tid / kChunks + i * (128 / kChunks);
+            if (info[i] >= 0)
+                *reinterpret_cast<int4*>(combine_slot(info[i], j * kL2PassN, off)) = *reinterpret_cast<const int4*>(tile + t * kRowBytes + off);
         }
         end_l2_pass(mt, last_pass);
     }
@@ -3006,6 +3049,7 @@ struct Kernel {
             // Leave together: the math warpgroups meet at barriers and wgmma until the task ends
             const bool leave = math_any(t >= total or sm.ctrl->abort, mt);
             settle_signals(mt, leave);
+            raise_l2_counts(mt, leave ? total : t);
             if (leave) {
                 if (is_combine) release_task(i);
                 break;
@@ -3272,7 +3316,7 @@ struct Kernel {
                 mbarrier_init(sm.full + s, 1);
                 mbarrier_init(sm.empty + s, 4 * kNumMathWGs);      // one lane per math warp
             }
-            for (int r = 0; r < kMegaMoETaskRing; ++r) {
+            for (int r = 0; r < kTaskRing; ++r) {
                 mbarrier_init(sm.ring_full + r, 1);
                 mbarrier_init(sm.ring_empty + r, kNumRingConsumers);
             }
@@ -3295,6 +3339,7 @@ struct Kernel {
             ctrl->dead_from = 0xffffffffu;
             ctrl->l1_split = 1;
             ctrl->trace_first = 0;
+            ctrl->owed_l2[0] = ctrl->owed_l2[1] = 0;
         }
         if constexpr (kFP4) {
             // fp4_table[d][c] = RNE_e4m3(e2m1(c) * 2^(6 - d)) for the magnitudes c < 8, the rule of
