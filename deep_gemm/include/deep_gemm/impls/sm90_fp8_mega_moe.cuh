@@ -104,7 +104,7 @@ struct SharedControl {
     int l1_split;      // K parts per L1 tile this call (1, 2 or 4), decided alike by every CTA
     int split_last;    // the math's split-K exchange: this CTA finished the tile's last part
     unsigned long long trace_first;   // trace slots stamped so far (first-only stamps, scripts/trace.py)
-    uint32_t owed_l2[2];              // prefill kernels: L2 tasks done and not yet counted, per math warpgroup (kBatchL2Counts)
+    uint32_t l2_owed_count[2];        // prefill kernels: L2 tasks done and not yet counted, per math warpgroup (kBatchL2Counts)
 };
 static_assert(sizeof(SharedControl) <= 64, "the 64 bytes of scalars in mega_moe_control_smem_bytes");
 static_assert(kTraceTaskBase <= 64, "one bit of SharedControl::trace_first per first-only trace slot");
@@ -373,11 +373,11 @@ struct Kernel {
     // returning atomic per task: a CTA's tickets rise, so its L2 tasks come in one run, and only the
     // combine, which waits for every L2 task of the rank (combine_ready), reads the count. Per task
     // the fence waited for the 16 KB of combine rows just stored, in front of the next task's
-    // barrier (L2 epilogue 4.8 us at mid FP8 n = 4096 on an H100: docs/PERF.md, session 36). The
-    // count lives in shared memory (SharedControl::owed_l2): a register held across the task loop
+    // barrier (L2 epilogue 5.8 us at mid FP8 n = 4096 on an H100: docs/PERF.md, session 36). The
+    // count lives in shared memory (SharedControl::l2_owed_count): a register held across the task loop
     // puts local accesses into these kernels' K-loops (see kDeferTaskSignals).
     static constexpr bool kBatchL2Counts = BLOCK_M == 128;
-    static_assert(kNumMathWGs <= 2, "SharedControl::owed_l2 has a word per math warpgroup");
+    static_assert(kNumMathWGs <= 2, "SharedControl::l2_owed_count has a word per math warpgroup");
 
     __device__ Kernel(const MegaMoEParams& params, uint8_t* smem_base) : p(params), lay(params.layout), sm(smem_base) {}
 
@@ -1792,7 +1792,7 @@ struct Kernel {
     // r0 + i x (128 / kChunks), i < kPasses. Their routing (row_info: source rank, token, top-k slot)
     // is loaded for every pass at once, before the tile is staged, so its round trip overlaps the
     // staging stores and the barrier: loaded inside the copy loop, each pass waited for its own load
-    // (L2 latency), 8 or 16 of them in a row (a 128-row L2 epilogue took 5.8 us: docs/PERF.md,
+    // (L2 latency), up to 8 of them in a row (a 128-row L2 epilogue took 5.8 us: docs/PERF.md,
     // session 36). Rows past `rows` get -1 (never written back, as masked slots).
     template <int kChunks, int kPasses>
     __device__ void load_row_infos(int (&info)[kPasses], int64_t first_row, int tid, int rows) const {
@@ -1858,7 +1858,7 @@ struct Kernel {
         named_barrier(kBarrierMathBase + mt.wg, 128);
         if (mt.tid == 0) {
             if constexpr (kDeferTaskSignals) owed_l2 = true;
-            else if constexpr (kBatchL2Counts) ++sm.ctrl->owed_l2[mt.wg];
+            else if constexpr (kBatchL2Counts) ++sm.ctrl->l2_owed_count[mt.wg];
             else count_l2_task();
         }
     }
@@ -1875,7 +1875,7 @@ struct Kernel {
     __device__ void raise_l2_counts(const MathThread& mt, int next_task) {
         if constexpr (kBatchL2Counts) {
             if (mt.tid != 0 or (next_task >= tasks.l1_end() and next_task < tasks.l2_end())) return;
-            if (const uint32_t n = sm.ctrl->owed_l2[mt.wg]; n > 0) sm.ctrl->owed_l2[mt.wg] = 0, count_l2_task(n);
+            if (const uint32_t n = sm.ctrl->l2_owed_count[mt.wg]; n > 0) sm.ctrl->l2_owed_count[mt.wg] = 0, count_l2_task(n);
         }
     }
     // release (thread 0 of a warpgroup, after the epilogue's barrier: cumulativity covers every
@@ -3339,7 +3339,7 @@ struct Kernel {
             ctrl->dead_from = 0xffffffffu;
             ctrl->l1_split = 1;
             ctrl->trace_first = 0;
-            ctrl->owed_l2[0] = ctrl->owed_l2[1] = 0;
+            ctrl->l2_owed_count[0] = ctrl->l2_owed_count[1] = 0;
         }
         if constexpr (kFP4) {
             // fp4_table[d][c] = RNE_e4m3(e2m1(c) * 2^(6 - d)) for the magnitudes c < 8, the rule of
