@@ -9,6 +9,8 @@
 #     AB_ENVS="DG_MEGA_MOE_L2_BLOCK_N=128 ..."  the working tree under each VAR=VALUE (A=1+B=2: both; tuning aids,
 #                    read once per process); AB_ENVS_ALL=1: every variant under each
 #   bash scripts/ab_prebuild.sh fp8xfp8 bf16xbf16             # on the CPU machine: every variant's cubins
+#   (more than 64 MiB to carry: python scripts/carry_cache.py .jit_cache /tmp/carry --all <formats the
+#    tests need> --case <each timed case>, then carry /tmp/carry as .jit_cache)
 #   run(command="AB_TESTS='tests/test_mega_moe_gpu.py' bash scripts/ab_run.sh fp8xfp8 2048 768 128 8 1 ...",
 #       carry=[".whl", ".jit_cache", "ab"])
 #

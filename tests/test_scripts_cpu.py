@@ -204,3 +204,24 @@ def test_pair_wide_device_script_kernels_are_prebuilt():
             key = (0, k['block_m'], k['num_stages'], True, k['block_n_l2'], k['wide_n_min'], k['signals_thread'], k['cta_pair'])
             assert key in prebuilt, (cases[c:c + 6], pair, key)
             assert k['cta_pair'] == bool(pair) and k['wide_n_min'] == 16, (cases[c:c + 6], pair, k)
+
+
+def test_carry_cache_copies_what_a_case_needs(tmp_path, requires_nvcc):
+    """scripts/carry_cache.py: from a cache without the case's kernel it stops (prebuild first), then,
+    the kernel now in that cache, it copies exactly the case's kernel (the same one on an H200 and an
+    H100 for this prefill case) and the two staging kernels."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get('PYTHONPATH', ''))
+    src, dst = tmp_path / 'src', tmp_path / 'dst'
+    cmd = [sys.executable, os.path.join(SCRIPTS, 'carry_cache.py'), str(src), str(dst),
+           '--case', 'bf16xbf16', '2048', '768', '128', '8', '4096']
+    first = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    assert first.returncode != 0 and 'prebuild' in first.stderr, first.stderr
+    assert not dst.exists()
+    second = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    assert second.returncode == 0, second.stderr
+    names = sorted(os.listdir(dst / 'cache'))
+    assert len(names) == 3, names
+    assert sum(n.startswith('mega_moe_stage_') for n in names) == 2, names
+    kernel = [n for n in names if n.startswith('sm90_mega_moe_bf16xbf16_m128_')]
+    assert len(kernel) == 1 and os.path.isfile(dst / 'cache' / kernel[0] / 'kernel.cubin'), names
+    assert os.path.isdir(src / 'cache' / kernel[0])
