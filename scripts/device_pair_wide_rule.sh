@@ -17,12 +17,7 @@ export DG_JIT_CACHE_DIR=$PWD/.jit_cache PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFER
 OUT=${OUT:-/tmp/out}
 source scripts/pair_ab_rounds.sh
 start=$(date +%s)
-for i in 1 2 3; do
-    DG_MEGA_MOE_CTA_PAIR=1 timeout 120 compute-sanitizer --tool racecheck python3 scripts/one_launch.py --format fp8xfp4 --sms 2 --tokens 48 > /tmp/san.log 2>&1
-    rc=$?
-    { echo "=== racecheck pair_w16 run $i: exit $rc"; cat /tmp/san.log; } >> "$OUT/racecheck.log"
-    echo "racecheck pair_w16 run $i: exit $rc $(grep -E 'RACECHECK SUMMARY|calc_diff' /tmp/san.log | tr '\n' ' ')"
-done
+pair_racecheck_w16 3
 echo "racecheck took $(( $(date +%s) - start )) s"
 CASES="fp8xfp4 4096 2048 256 6 256 fp8xfp4 4096 2048 256 6 512 fp8xfp4 4096 2048 256 6 682 fp8xfp4 4096 2048 256 6 1024
        fp8xfp4 7168 2048 256 8 192 fp8xfp4 7168 2048 256 8 512 fp8xfp4 2048 768 128 8 96"

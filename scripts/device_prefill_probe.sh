@@ -13,6 +13,7 @@
 # Logs in $OUT: trace.txt, fp8xfp8_4096_4096.txt, racecheck.log.
 set -uo pipefail
 source scripts/device_setup.sh
+source scripts/pair_ab_rounds.sh
 cat "$OUT/gpu.txt"
 start=$(date +%s)
 DG_MEGA_MOE_TASK_LOG=2 timeout 200 python3 scripts/trace.py --tasks-light fp8xfp8 4096 2048 256 6 8192 fp8xfp8 2048 768 128 8 4096 \
@@ -23,11 +24,6 @@ DG_NCU_TIMEOUT_S=200 bash scripts/device_ncu.sh fp8xfp8 4096 2048 256 6 4096 2>&
 echo "ncu done after $(( $(date +%s) - start )) s"
 if grep -q H200 "$OUT/gpu.txt"; then
     timeout -k 10 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_mega_moe_gpu.py -k "cta_pair" 2>&1 | tee "$OUT/tests.log" | tail -3
-    for i in 1 2 3; do
-        DG_MEGA_MOE_CTA_PAIR=1 timeout 120 compute-sanitizer --tool racecheck python3 scripts/one_launch.py --format fp8xfp4 --sms 2 --tokens 48 > /tmp/san.log 2>&1
-        rc=$?
-        { echo "=== racecheck pair_w16 run $i: exit $rc"; cat /tmp/san.log; } >> "$OUT/racecheck.log"
-        echo "racecheck pair_w16 run $i: exit $rc $(grep -E 'RACECHECK SUMMARY|calc_diff' /tmp/san.log | tr '\n' ' ')"
-    done
+    pair_racecheck_w16 3
 fi
 echo "all took $(( $(date +%s) - start )) s"
