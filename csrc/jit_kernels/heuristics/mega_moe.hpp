@@ -47,6 +47,12 @@ constexpr int kSignalsThreadMinTasksPerSM = 4;
 // FP8 / BF16 decode: 512-wide L2 tasks from this many expected tokens per local expert touched
 // (docs/PERF.md, session 28)
 constexpr int kL2WideTokensPerExpert = 8;
+// FP8 x FP8 prefill (BLOCK_M 128): 256-wide L2 tasks (one K loop over a 256-row B tile, two
+// 128-column wgmma halves per K-block as L1's gate and up) from this many expected 256-wide L2 tasks
+// per SM. Measured (docs/PERF.md, session 37, one H100, 128 -> 256): v4-flash n = 4096 / 8192 (31 /
+// 62 per SM) -1.9 / -9.0 %, deepseek-v3 n = 4096 (54) -4.2 %, mid n = 8192 (31) -1.9 %; mid n = 4096
+// (15.5) even, n = 2048 (7.8) +1.7 % (the phase's last round of twice-longer tasks)
+constexpr int kPrefillL2WideMinTasksPerSM = 24;
 // The CTA pair (FP8 x FP4 decode: two CTAs an SM, one math warpgroup each; docs/KERNEL.md): from this
 // many expected L1 + L2 tasks per SM, and below kFP4WideTokensPerExpert expected tokens per expert
 // (where the two-warpgroup kernel would run M-blocks of more than 8 tokens as N = 64 transposed
@@ -85,7 +91,7 @@ struct MegaMoEConfig {
     int block_m;               // 64 or 128 pool rows per M-block
     int num_math_warpgroups;   // 2: 64 rows each (block_m 128) or half the columns each (block_m 64)
     int block_n_l1;            // 256: 128 gate + 128 up columns
-    int block_n_l2;            // L2 task width, a kernel variant: 128, or 256 / 512 (decode, 128-wide tasks outnumber the SMs)
+    int block_n_l2;            // L2 task width, a kernel variant: 128, or 256 / 512 (decode, 128-wide tasks outnumber the SMs; FP8 prefill 256)
     int wide_n_min;            // narrowest transposed wide tile, a kernel variant: 64, or 16 (FP8 x FP4 decode, many tokens per expert)
     bool signals_thread;       // FP8 x FP4 decode: a dispatch thread raises the math's task signals (a kernel variant, `_sig`)
     bool cta_pair;             // FP8 x FP4 decode: two CTAs an SM, one math warpgroup each (a kernel variant, `_pair`)
@@ -262,6 +268,11 @@ inline MegaMoEConfig get_mega_moe_config(MmaType mma_type, int num_ranks, int nu
         if (hidden % (4 * kMegaMoEBlockNL2) == 0 and (one_wave or (mma_type != MmaType::kFP8xFP4 and wide_mblocks)))
             c.block_n_l2 = 4 * kMegaMoEBlockNL2;
     }
+
+    // FP8 x FP8 prefill: 256-wide L2 tasks where an SM runs many (kPrefillL2WideMinTasksPerSM)
+    if (c.block_m == 128 and mma_type == MmaType::kFP8xFP8 and hidden % (2 * kMegaMoEBlockNL2) == 0 and
+        l2_tasks_128 / 2 >= static_cast<int64_t>(kPrefillL2WideMinTasksPerSM) * num_sms)
+        c.block_n_l2 = 2 * kMegaMoEBlockNL2;
 
     // FP8 x FP4 decode runs M-blocks of more than 8 tokens as transposed tiles of N = 64, or with the
     // kernel variant of N = 16 / 32 / 64 by the M-block's tokens, whose tensor work and promotion follow

@@ -170,7 +170,7 @@ struct TensorMaps {
 template <MmaType kMmaType, int BLOCK_M, int kNumStages, bool kFastMath, int kL2BlockN, int kWideNMin>
 struct Kernel {
     static_assert(BLOCK_M == 64 or BLOCK_M == 128, "one or two math warpgroups of 64 rows");
-    static_assert(mega_moe_l2_block_n_ok(BLOCK_M, kL2BlockN), "L2 tasks: 128 wide, or 256 / 512 wide with BLOCK_M = 64");
+    static_assert(mega_moe_l2_block_n_ok(kMmaType, BLOCK_M, kL2BlockN), "L2 tasks: 128 wide, 256 / 512 wide with BLOCK_M = 64, or 256 wide FP8 with BLOCK_M = 128");
     static_assert(mega_moe_wide_n_ok(kMmaType, BLOCK_M, kWideNMin), "transposed tiles below N = 64: FP8 x FP4 decode only");
     static_assert(L::kMaxBlockM % BLOCK_M == 0 and BLOCK_M >= L::kMinBlockM, "pools are padded for kMinBlockM..kMaxBlockM");
     static_assert(kNumStages >= 2, "pipeline needs at least double buffering");
@@ -207,6 +207,9 @@ struct Kernel {
     static constexpr int kL2Tiles = kL2PassN / kMegaMoEBlockNL2;       // 128-column tiles per pass
     static constexpr int kL2Passes = kL2BlockN / kL2PassN;
     static constexpr int kL2WidePasses = kL2BlockN / kMegaMoEBlockNL2;
+    // BLOCK_M = 128 (prefill, FP8) with 256-wide L2 tasks: a task is one K loop over a 256-row B tile,
+    // two 128-column wgmma halves per K-block as L1's gate and up (l2_mainloop<2>), not two passes
+    static constexpr bool kL2OnePass = not kSplitN and kL2BlockN == 2 * kMegaMoEBlockNL2;
     static constexpr int kStageBytes = mega_moe_stage_bytes(kMmaType, BLOCK_M);
     static constexpr int kStageSfBytes = mega_moe_stage_sf_bytes(kMmaType, BLOCK_M);
     static constexpr int kStageExtraBytes = mega_moe_stage_extra_bytes(kMmaType, BLOCK_M);
@@ -1064,7 +1067,9 @@ struct Kernel {
             // runs its tile once per pass)
             int b_rows = is_l1 ? kMegaMoEBlockNL1 : kMegaMoEBlockNL2;
             int num_passes = 1;
-            if constexpr (kL2BlockN > kMegaMoEBlockNL2) {
+            if constexpr (kL2OnePass) {
+                if (not is_l1) b_rows = kL2PassN;
+            } else if constexpr (kL2BlockN > kMegaMoEBlockNL2) {
                 if (not is_l1 and (kTransposedWide or valid_rows(m, le) <= kNarrowRows)) {   // as the math decides
                     b_rows = kL2PassN;
                     if constexpr (kL2Passes > 1) num_passes = kL2Passes;
@@ -1152,7 +1157,7 @@ struct Kernel {
                     }
                 } else {
                     tma_load_2d(sm.stage_b(s), tm_w, sm.full + s, kb * BLOCK_K, b_row0);   // L1 256 rows, L2 128
-                    if constexpr (kL2Tiles == 2) {   // a narrow M-block's 256-row L2 pass: its second 128 rows
+                    if constexpr (kL2Tiles == 2) {   // a narrow M-block's (or kL2OnePass) 256-row L2 pass: its second 128 rows
                         if (not is_l1 and b_rows == kL2PassN)
                             tma_load_2d(sm.stage_b(s) + kMegaMoEBlockNL2 * 128, tm_w, sm.full + s, kb * BLOCK_K, b_row0 + kMegaMoEBlockNL2);
                     }
@@ -1641,11 +1646,41 @@ struct Kernel {
         return true;
     }
 
-    __device__ bool l2_mainloop(uint32_t& stage_iter, const MathThread& mt, float (&acc)[kL2Acc]) {
+    // kTiles 128-column tiles of the stage's B tile (2: kL2OnePass, acc[0, 64) the first tile's)
+    template <int kTiles = 1>
+    __device__ bool l2_mainloop(uint32_t& stage_iter, const MathThread& mt, float (&acc)[kL2Acc * kTiles]) {
         static_assert(not kFP4 or kExpandAhead, "FP8 x FP4 runs wide tiles at prefill only (decode: transposed_l2_mainloop)");
+        static_assert(kTiles == 1 or (kL2OnePass and kFP8 and not kFP4), "two tiles a K-block: 256-wide FP8 prefill tasks");
         const int num_kb = lay.intermediate_hidden / BLOCK_K;
         const uint32_t a_offset = mt.row0() * 128, b_offset = kSplitN ? mt.wg * 64 * 128 : 0;
-        if constexpr (kFP8) {
+        if constexpr (kTiles == 2 and kFP8) {
+            // as l1_mainloop's gate and up: one tile's wgmmas, wait, promote, the next's (two sets of
+            // 64 partial sums would not fit next to acc)
+            #pragma unroll
+            for (int i = 0; i < 2 * kL2Acc; ++i) acc[i] = 0.0f;
+            for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
+                if (not wait_full(stage_iter)) return false;
+                const int s = stage_iter % kNumStages;
+                const float sa0 = sm.token_sf(s, mt.row_in_tile(0)), sa1 = sm.token_sf(s, mt.row_in_tile(1));
+                const uint64_t da = mma::make_k_major_sw128_desc(sm.stage_a(s) + a_offset);
+                float part[kL2Acc];
+                #pragma unroll
+                for (int t = 0; t < 2; ++t) {
+                    const uint64_t db = mma::make_k_major_sw128_desc(sm.mma_b(s, stage_iter) + t * kBBytesL2);
+                    mma::fence_operands(part);
+                    mma::warpgroup_arrive();
+                    FP8L2Mma::fma_k_block(da, db, part, false);
+                    mma::warpgroup_commit();
+                    const float sb = sm.weight_sf(s, t);
+                    mma::warpgroup_wait<0>();
+                    mma::fence_operands(part);
+                    if (t == 1) release_stage(stage_iter, mt);
+                    const float s0 = sa0 * sb, s1 = sa1 * sb;
+                    #pragma unroll
+                    for (int i = 0; i < kL2Acc; ++i) acc[t * kL2Acc + i] += part[i] * ((i & 2) ? s1 : s0);
+                }
+            }
+        } else if constexpr (kFP8) {
             float part[kL2Acc];
             #pragma unroll
             for (int i = 0; i < kL2Acc; ++i) acc[i] = 0.0f;
@@ -3272,6 +3307,12 @@ struct Kernel {
                     log_task(mt, kTaskStampLoopEnd);
                     epilogue_tile_free();
                     l2_epilogue(m, j, rows, mt, acc);
+                } else if constexpr (kL2OnePass) {   // a 256-wide prefill task: one K loop, its two tiles' epilogues
+                    float wide_acc[2 * kL2Acc];
+                    if (not l2_mainloop<2>(stage_iter, mt, wide_acc) or task_stages_dead(stage_iter)) break;
+                    log_task(mt, kTaskStampLoopEnd);
+                    l2_epilogue<false>(m, 2 * j, rows, mt, *reinterpret_cast<float (*)[kL2Acc]>(wide_acc));
+                    l2_epilogue(m, 2 * j + 1, rows, mt, *reinterpret_cast<float (*)[kL2Acc]>(wide_acc + kL2Acc));
                 } else if constexpr (kL2WidePasses == 2) {   // a 256-wide task of a wide M-block: its two 128-column tiles, as the producer streams them
                     if (not l2_mainloop(stage_iter, mt, acc) or task_stages_dead(stage_iter)) break;
                     log_task(mt, kTaskStampLoopEnd);
