@@ -3195,16 +3195,21 @@ struct Kernel {
                     if (not transposed_l1_mainloop<64>(stage_iter, mt, gate, up) or task_stages_dead(stage_iter)) break;
                     log_task(mt, kTaskStampLoopEnd);
                     transposed_l1_epilogue<64>(m, j, rows, mt, gate, up);
-                } else {
-                    if constexpr (kSkipIdleRows) {   // (if constexpr: the other kernels' SASS as before)
-                        if (idle_rows(mt, rows)) {
-                            if (not idle_mainloop(lay.hidden / BLOCK_K, stage_iter, mt) or task_stages_dead(stage_iter)) break;
-                            log_task(mt, kTaskStampLoopEnd);
-                            if (mt.tid == 0) signal_l1_done(m);   // nothing written: its count only
-                            if (kTaskLog and mt.tracer) log_task(mt, kTaskStampEnd);
-                            continue;
-                        }
+                } else if constexpr (kSkipIdleRows) {
+                    // The wide loop and epilogue of the `else` below, or the idle warpgroup's stage
+                    // releases and count. Spelled out twice: the idle test in the `else` branch moved
+                    // the other kernels' SASS (+1 % at mid FP8 n = 4096, docs/PERF.md session 37)
+                    if (not idle_rows(mt, rows)) {
+                        if (not l1_mainloop(m, stage_iter, mt, acc, row_w) or task_stages_dead(stage_iter)) break;
+                        log_task(mt, kTaskStampLoopEnd);
+                        epilogue_tile_free();
+                        l1_epilogue(m, j, rows, mt, acc, row_w);
+                    } else {
+                        if (not idle_mainloop(lay.hidden / BLOCK_K, stage_iter, mt) or task_stages_dead(stage_iter)) break;
+                        log_task(mt, kTaskStampLoopEnd);
+                        if (mt.tid == 0) signal_l1_done(m);   // nothing written: its count only
                     }
+                } else {
                     // Never split (l1_split > 1 only when every tile is narrow: max_tokens <= kNarrowRows
                     // in build_layout); the wide loop runs all of H's K-blocks, as the producer streams them
                     if (not l1_mainloop(m, stage_iter, mt, acc, row_w) or task_stages_dead(stage_iter)) break;
@@ -3273,15 +3278,6 @@ struct Kernel {
                     if (kTaskLog and mt.tracer) log_task(mt, kTaskStampEnd);
                     continue;
                 }
-                if constexpr (kSkipIdleRows) {
-                    if (idle_rows(mt, rows)) {
-                        if (not idle_mainloop(lay.intermediate_hidden / BLOCK_K, stage_iter, mt) or task_stages_dead(stage_iter)) break;
-                        log_task(mt, kTaskStampLoopEnd);
-                        finish_l2_task(mt);   // nothing written: its count only
-                        if (kTaskLog and mt.tracer) log_task(mt, kTaskStampEnd);
-                        continue;
-                    }
-                }
                 if (kSplitN and rows <= kNarrowRows) {   // the producer applies the same rule (scheduler)
                     float narrow_acc[4 * kL2Tiles * kHalves];
                     // One pass (128 / 256 wide) written out, not as the loop's one trip: the loop form
@@ -3336,6 +3332,26 @@ struct Kernel {
                             transposed_l2_epilogue<64>(m, kL2Passes * j + pass, rows, mt, wide_acc, pass == kL2Passes - 1);
                         }
                         if (not ok) break;
+                    }
+                } else if constexpr (kSkipIdleRows) {
+                    // The idle warpgroup's stage releases and count, or the 128-wide / kL2OnePass task
+                    // of the branches below (spelled out twice, as in the L1 task's)
+                    if (idle_rows(mt, rows)) {
+                        if (not idle_mainloop(lay.intermediate_hidden / BLOCK_K, stage_iter, mt) or task_stages_dead(stage_iter)) break;
+                        log_task(mt, kTaskStampLoopEnd);
+                        finish_l2_task(mt);   // nothing written: its count only
+                    } else if constexpr (kL2Tiles == 1) {
+                        if (not l2_mainloop(stage_iter, mt, acc) or task_stages_dead(stage_iter)) break;
+                        log_task(mt, kTaskStampLoopEnd);
+                        epilogue_tile_free();
+                        l2_epilogue(m, j, rows, mt, acc);
+                    } else {
+                        static_assert(kL2OnePass);
+                        float wide_acc[2 * kL2Acc];
+                        if (not l2_mainloop<2>(stage_iter, mt, wide_acc) or task_stages_dead(stage_iter)) break;
+                        log_task(mt, kTaskStampLoopEnd);
+                        l2_epilogue<false>(m, 2 * j, rows, mt, *reinterpret_cast<float (*)[kL2Acc]>(wide_acc));
+                        l2_epilogue(m, 2 * j + 1, rows, mt, *reinterpret_cast<float (*)[kL2Acc]>(wide_acc + kL2Acc));
                     }
                 } else if constexpr (kL2Tiles == 1) {
                     if (not l2_mainloop(stage_iter, mt, acc) or task_stages_dead(stage_iter)) break;
