@@ -1654,7 +1654,7 @@ struct Kernel {
     // task would have written. Not in the FP8 x FP8 128-wide kernel, whose L1 K-loop it gave a spilled
     // counter (+2.8 % at mid n = 4096), nor FP8 x FP4 (both warpgroups expand every B tile together).
     static constexpr bool kSkipIdleRows = not kSplitN and (kMmaType == MmaType::kBF16xBF16 or kL2OnePass);
-    __device__ static bool idle_rows(const MathThread& mt, int rows) { return kSkipIdleRows and mt.row0() >= rows; }
+    __device__ static bool idle_rows(const MathThread& mt, int rows) { return mt.row0() >= rows; }
     __device__ bool idle_mainloop(int num_kb, uint32_t& stage_iter, const MathThread& mt) {
         for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
             if (not wait_full(stage_iter)) return false;
@@ -3334,8 +3334,9 @@ struct Kernel {
                         if (not ok) break;
                     }
                 } else if constexpr (kSkipIdleRows) {
-                    // The idle warpgroup's stage releases and count, or the 128-wide / kL2OnePass task
-                    // of the branches below (spelled out twice, as in the L1 task's)
+                    // The idle warpgroup's stage releases and count, or the 128-wide task of the branch
+                    // below (spelled out twice, as in the L1 task's), or a 256-wide (kL2OnePass) one: one
+                    // K loop, its two tiles' epilogues
                     if (idle_rows(mt, rows)) {
                         if (not idle_mainloop(lay.intermediate_hidden / BLOCK_K, stage_iter, mt) or task_stages_dead(stage_iter)) break;
                         log_task(mt, kTaskStampLoopEnd);
@@ -3358,12 +3359,6 @@ struct Kernel {
                     log_task(mt, kTaskStampLoopEnd);
                     epilogue_tile_free();
                     l2_epilogue(m, j, rows, mt, acc);
-                } else if constexpr (kL2OnePass) {   // a 256-wide prefill task: one K loop, its two tiles' epilogues
-                    float wide_acc[2 * kL2Acc];
-                    if (not l2_mainloop<2>(stage_iter, mt, wide_acc) or task_stages_dead(stage_iter)) break;
-                    log_task(mt, kTaskStampLoopEnd);
-                    l2_epilogue<false>(m, 2 * j, rows, mt, *reinterpret_cast<float (*)[kL2Acc]>(wide_acc));
-                    l2_epilogue(m, 2 * j + 1, rows, mt, *reinterpret_cast<float (*)[kL2Acc]>(wide_acc + kL2Acc));
                 } else if constexpr (kL2WidePasses == 2) {   // a 256-wide task of a wide M-block: its two 128-column tiles, as the producer streams them
                     if (not l2_mainloop(stage_iter, mt, acc) or task_stages_dead(stage_iter)) break;
                     log_task(mt, kTaskStampLoopEnd);
