@@ -9,6 +9,7 @@ HGMMA for BF16) and TMA loads (UTMALDG). scripts/prebuild_kernels.py compiles th
 """
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -87,6 +88,30 @@ def test_mega_moe_variant_compiles_for_sm90a(variant, requires_nvcc):
     mma = 'HGMMA' if fmt == 'bf16xbf16' else 'QGMMA'
     assert mma in sass, f'{fmt}: no {mma} in the SASS'
     assert 'UTMALDG' in sass, 'no TMA loads in the SASS'
+    # No accumulator through local memory in a K-loop: every loop (a backward branch) that issues a
+    # wgmma holds at most a few local-memory instructions (spilled scalars: 0-4 in every kernel of
+    # session 37), not the 64-256 of an accumulator moved out and back each K-block (the BF16 256-wide
+    # prefill L2 task's first form, docs/PERF.md session 37)
+    for start, end, local in _wgmma_loops(sass):
+        assert local <= _MAX_LOCAL_PER_WGMMA_LOOP, f'the wgmma loop {start:#x}-{end:#x} holds {local} LDL/STL'
+
+
+_MAX_LOCAL_PER_WGMMA_LOOP = 8
+
+
+def _wgmma_loops(sass):
+    """(first, last address, LDL / STL count) of each loop of at most 1500 instructions that holds a wgmma."""
+    ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r'/\*([0-9a-f]{4,})\*/\s+([^;]*);', sass)]
+    loops = []
+    for i, (addr, text) in enumerate(ins):
+        branch = re.search(r'\bBRA\b.*?0x([0-9a-f]+)', text)
+        if branch is None or int(branch.group(1), 16) >= addr:
+            continue
+        body = [t for a, t in ins if int(branch.group(1), 16) <= a <= addr]
+        if len(body) <= 1500 and any('GMMA' in t for t in body):
+            loops.append((int(branch.group(1), 16), addr, sum(bool(re.search(r'\b(LDL|STL)', t)) for t in body)))
+    assert loops, 'no wgmma loop found in the SASS'
+    return loops
 
 
 def test_prefill_kernel_with_too_few_stages_for_the_bulk_combine_compiles(requires_nvcc):
