@@ -58,7 +58,7 @@ DG_HOST_DEVICE constexpr int mega_moe_block_k(MmaType t) { return 128 / activati
 DG_HOST_DEVICE constexpr bool mega_moe_l2_block_n_ok(MmaType t, int block_m, int block_n_l2) {
     return block_n_l2 == kMegaMoEBlockNL2 or
            ((block_n_l2 == 2 * kMegaMoEBlockNL2 or block_n_l2 == 4 * kMegaMoEBlockNL2) and block_m == 64) or
-           (block_n_l2 == 2 * kMegaMoEBlockNL2 and block_m == 128 and t == MmaType::kFP8xFP8);
+           (block_n_l2 == 2 * kMegaMoEBlockNL2 and block_m == 128 and t != MmaType::kFP8xFP4);
 }
 // FP8 x FP4 decode kernels (BLOCK_M = 64) run M-blocks of more than 8 tokens as transposed wide tiles
 // of N = 16, 32 or 64 (the M-block's tokens rounded up); which N a kernel carries is a variant

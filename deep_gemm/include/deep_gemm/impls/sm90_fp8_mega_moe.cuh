@@ -1667,7 +1667,7 @@ struct Kernel {
     template <int kTiles = 1>
     __device__ bool l2_mainloop(uint32_t& stage_iter, const MathThread& mt, float (&acc)[kL2Acc * kTiles]) {
         static_assert(not kFP4 or kExpandAhead, "FP8 x FP4 runs wide tiles at prefill only (decode: transposed_l2_mainloop)");
-        static_assert(kTiles == 1 or (kL2OnePass and kFP8 and not kFP4), "two tiles a K-block: 256-wide FP8 prefill tasks");
+        static_assert(kTiles == 1 or (kL2OnePass and not kFP4), "two tiles a K-block: 256-wide FP8 / BF16 prefill tasks");
         const int num_kb = lay.intermediate_hidden / BLOCK_K;
         const uint32_t a_offset = mt.row0() * 128, b_offset = kSplitN ? mt.wg * 64 * 128 : 0;
         if constexpr (kTiles == 2 and kFP8) {
@@ -1696,6 +1696,21 @@ struct Kernel {
                     #pragma unroll
                     for (int i = 0; i < kL2Acc; ++i) acc[t * kL2Acc + i] += part[i] * ((i & 2) ? s1 : s0);
                 }
+            }
+        } else if constexpr (kTiles == 2) {
+            // BF16: one N = 256 wgmma over both tiles (accumulators 0..63: the first tile's columns)
+            for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
+                if (not wait_full(stage_iter)) return false;
+                const int s = stage_iter % kNumStages;
+                const uint64_t da = mma::make_k_major_sw128_desc(sm.stage_a(s) + a_offset);
+                const uint64_t db = mma::make_k_major_sw128_desc(sm.mma_b(s, stage_iter));
+                mma::fence_operands(acc);
+                mma::warpgroup_arrive();
+                mma::BF16MmaN256::fma_k_block(da, db, acc, kb > 0);
+                mma::warpgroup_commit();
+                mma::warpgroup_wait<0>();
+                mma::fence_operands(acc);
+                release_stage(stage_iter, mt);
             }
         } else if constexpr (kFP8) {
             float part[kL2Acc];
