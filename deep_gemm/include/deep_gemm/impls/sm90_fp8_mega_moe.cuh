@@ -1623,8 +1623,13 @@ struct Kernel {
             // (its accumulators 0..63 are columns 0..127 = gate), which reads A once
             float (&acc_g)[kL1Half] = *reinterpret_cast<float (*)[kL1Half]>(gate);
             float (&acc_u)[kL1Half] = *reinterpret_cast<float (*)[kL1Half]>(up);
-            #pragma unroll
-            for (int i = 0; i < kL1Acc; ++i) acc[i] = 0.0f;
+            // 128-row tiles: zeroed first, so that the first wgmma's (unscaled) input is not the
+            // previous task's values; else the accumulator is live across the task loop, and with the
+            // 256-wide L2 task's next to it both went through local memory every K-block
+            if constexpr (not kSplitN) {
+                #pragma unroll
+                for (int i = 0; i < kL1Acc; ++i) acc[i] = 0.0f;
+            }
             for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
                 if (not wait_full(stage_iter)) return false;
                 const int s = stage_iter % kNumStages;
