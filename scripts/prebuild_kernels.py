@@ -7,7 +7,7 @@ device, a few seconds per variant).
 
     DG_JIT_CACHE_DIR=.jit_cache python scripts/prebuild_kernels.py [FORMAT ...]
         every variant the heuristics can pick on an H100/H200 (both BLOCK_M, fast and exact math,
-        at BLOCK_M 64 the L2 task widths, FP8 x FP8 prefill's 256-wide L2 tasks), the input-staging kernels and the helper kernels of
+        at BLOCK_M 64 the L2 task widths, FP8 x FP8 / BF16 prefill's 256-wide L2 tasks), the input-staging kernels and the helper kernels of
         tests/test_faults_gpu.py
     python scripts/prebuild_kernels.py --ep 2 fp8xfp8 fp8xfp4 bf16xbf16
         exactly what scripts/device_ep.sh runs on 2 GPUs: the variants the launcher picks with 2
@@ -66,8 +66,8 @@ def variants(formats=DEFAULT_FORMATS):
     decode = [k for k in keys if k[1] == 64]
     keys += [(t, m, s, fast, 256, 64, False) for t, m, s, fast, *_ in decode]
     keys += [(t, m, s, fast, 512, 64, False) for t, m, s, fast, *_ in decode if t != MMA_TYPES['fp8xfp4']]
-    # FP8 x FP8 prefill: 256-wide L2 tasks (one K loop over a 256-row B tile)
-    keys += [(t, m, s, fast, 256, 64, False) for t, m, s, fast, *_ in keys if m == 128 and t == MMA_TYPES['fp8xfp8']]
+    # FP8 x FP8 and BF16 prefill: 256-wide L2 tasks (one K loop over a 256-row B tile)
+    keys += [(t, m, s, fast, 256, 64, False) for t, m, s, fast, *_ in keys if m == 128 and t != MMA_TYPES['fp8xfp4']]
     fp4_decode = [k for k in keys if k[1] == 64 and k[0] == MMA_TYPES['fp8xfp4']]
     fp4_decode += [(*k[:5], 16, False) for k in fp4_decode]
     keys += fp4_decode[len(fp4_decode) // 2:] + [(*k[:6], True) for k in fp4_decode]

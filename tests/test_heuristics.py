@@ -245,10 +245,10 @@ def test_l2_task_width():
     # ... but not on 64 SMs
     assert config('fp8xfp8', num_ranks=1, num_experts=128, num_topk=8, hidden=2048, intermediate_hidden=768,
                   num_tokens=1, num_sms=64)['block_n_l2'] == 256
-    # prefill (BLOCK_M 128): FP8 x FP8 256-wide from 24 expected 256-wide L2 tasks per SM (mid n = 8192:
+    # prefill (BLOCK_M 128): FP8 x FP8 and BF16 256-wide from 24 expected 256-wide L2 tasks per SM (mid n = 8192:
     # 128 experts x 4 M-blocks x 8 = 4096 on 132 SMs, 31 each; n = 4096: 15.5), the others 128
     for fmt, n, width in [('fp8xfp8', 8192, 256), ('fp8xfp8', 4096, 128), ('fp8xfp8', 2048, 128),
-                          ('fp8xfp4', 8192, 128), ('bf16xbf16', 8192, 128)]:
+                          ('fp8xfp4', 8192, 128), ('bf16xbf16', 8192, 256), ('bf16xbf16', 4096, 128)]:
         c = config(fmt, num_ranks=1, num_experts=128, num_topk=8, hidden=2048, intermediate_hidden=768, num_tokens=n)
         assert (c['block_m'], c['block_n_l2']) == (128, width), (fmt, n, c)
     # ... per SM: mid n = 8192 on 264 SMs (15.5 each) stays 128; v4-flash n = 4096 (256 experts x 1 x 16
@@ -332,8 +332,8 @@ _ODD_H_N1 = (MMA_TYPES['fp8xfp8'], 1, 256, 6, 1152, 2048, 1, H200_SMS)       # H
 _V4_FP4_N1 = (MMA_TYPES['fp8xfp4'], 1, 256, 6, 4096, 2048, 1, H200_SMS)
 _V4_BF16_N1 = (MMA_TYPES['bf16xbf16'], 1, 256, 6, 4096, 2048, 1, H200_SMS)
 _H768_N1 = (MMA_TYPES['fp8xfp8'], 1, 64, 8, 768, 384, 1, H200_SMS)           # H = 3 x 256: no 512-wide task
-_MID_BF16_N4096 = (MMA_TYPES['bf16xbf16'], 1, 128, 8, 2048, 768, 4096, H200_SMS)   # prefill, no 256-wide variant
-_CASES = [_V4_FLASH_N1, _MID_N1, _MID_N4096, _ODD_H_N1, _V4_FP4_N1, _V4_BF16_N1, _H768_N1, _MID_BF16_N4096]
+_MID_FP4_N4096 = (MMA_TYPES['fp8xfp4'], 1, 128, 8, 2048, 768, 4096, H200_SMS)   # prefill, no 256-wide variant
+_CASES = [_V4_FLASH_N1, _MID_N1, _MID_N4096, _ODD_H_N1, _V4_FP4_N1, _V4_BF16_N1, _H768_N1, _MID_FP4_N4096]
 
 
 def _launched_variants(override, cases=_CASES):
@@ -344,7 +344,7 @@ def _launched_variants(override, cases=_CASES):
 @pytest.mark.parametrize('override, widths', [
     (None, [256, 128, 128, 128, 256, 256, 128, 128]),    # the heuristic's choice
     ('128', [128, 128, 128, 128, 128, 128, 128, 128]),
-    ('256', [256, 256, 256, 128, 256, 256, 256, 128]),   # BLOCK_M 128: FP8 x FP8 only; not with H % 256 != 0
+    ('256', [256, 256, 256, 128, 256, 256, 256, 128]),   # BLOCK_M 128: not FP8 x FP4; not with H % 256 != 0
     ('512', [512, 512, 256, 128, 512, 512, 256, 128]),   # the widest that divides H (512: BLOCK_M 64 only)
 ])
 def test_launched_kernel_has_the_l2_width(override, widths):
@@ -365,11 +365,11 @@ def test_launcher_rejects_a_bad_l2_width_setting():
 
 
 def test_wide_l2_block_m_rules():
-    # BLOCK_M 128: 256 wide for FP8 x FP8 only (one K loop over a 256-row B tile); never 512
-    assert _C.get_mega_moe_kernel_source(MMA_TYPES['fp8xfp8'], 128, 3, True, 256).rstrip().endswith('128, 3, true, 256, 64)')
-    for fmt in ('bf16xbf16', 'fp8xfp4'):
-        with pytest.raises(ValueError, match='block_n_l2'):
-            _C.get_mega_moe_kernel_source(MMA_TYPES[fmt], 128, 3, True, 256)
+    # BLOCK_M 128: 256 wide for FP8 x FP8 and BF16 (one K loop over a 256-row B tile); never 512
+    for fmt in ('fp8xfp8', 'bf16xbf16'):
+        assert _C.get_mega_moe_kernel_source(MMA_TYPES[fmt], 128, 3, True, 256).rstrip().endswith('128, 3, true, 256, 64)')
+    with pytest.raises(ValueError, match='block_n_l2'):
+        _C.get_mega_moe_kernel_source(MMA_TYPES['fp8xfp4'], 128, 4, True, 256)
     with pytest.raises(ValueError, match='block_n_l2'):
         _C.get_mega_moe_kernel_source(MMA_TYPES['fp8xfp8'], 128, 3, True, 512)
     for width in (192, 1024):

@@ -28,9 +28,9 @@ FORMATS = ('fp8xfp8', 'fp8xfp4', 'bf16xbf16')
 def l2_widths(fmt, block_m):
     # the L2 task widths the heuristic picks with every tile and signals variant (FP8 x FP4's 512-wide
     # kernels: _variants adds the one-wave rows' kernel, _tuning_variants the others; prefill: FP8 x
-    # FP8 also 256, one K loop over a 256-row B tile)
+    # FP8 and BF16 also 256, one K loop over a 256-row B tile)
     if block_m != 64:
-        return (128, 256) if fmt == 'fp8xfp8' else (128,)
+        return (128,) if fmt == 'fp8xfp4' else (128, 256)
     return (128, 256) if fmt == 'fp8xfp4' else (128, 256, 512)
 
 

@@ -187,9 +187,9 @@ L2_512_CASES = [   # (shape, ns, seed, routing, sms)
 ]
 
 
-# FP8 x FP8 prefill with 256-wide L2 tasks (BLOCK_M 128, one K loop over a 256-row B tile): the
-# heuristic picks it from 24 expected tasks per SM (v4-flash n >= 3072 on 132 SMs), here reached with
-# fewer CTAs: mid at n = 2048 (1024 tasks) on 32 CTAs, with masks, with a hot expert (its M-blocks
+# FP8 x FP8 and BF16 prefill with 256-wide L2 tasks (BLOCK_M 128, one K loop over a 256-row B tile):
+# the heuristic picks it from 24 expected tasks per SM (v4-flash n >= 3072 on 132 SMs), here reached
+# with fewer CTAs: mid at n = 2048 (1024 tasks) on 32 CTAs, with masks, with a hot expert (its M-blocks
 # many and full, the others' partial), with experts left empty, and on two virtual ranks of unequal n
 PREFILL_L2_256_CASES = [   # (ns, seed, routing, CTAs per rank)
     ([2048], 51, {}, 32), ([2048], 52, {'mask_frac': 0.3}, 32), ([2048], 53, {'hot_expert': 5}, 32),
@@ -197,15 +197,16 @@ PREFILL_L2_256_CASES = [   # (ns, seed, routing, CTAs per rank)
 ]
 
 
+@pytest.mark.parametrize('mma_type', ['fp8xfp8', 'bf16xbf16'])
 @pytest.mark.parametrize('ns, seed, routing, sms', PREFILL_L2_256_CASES)
-def test_fp8_prefill_256_wide_l2(ns, seed, routing, sms):
+def test_prefill_256_wide_l2(ns, seed, routing, sms, mma_type):
     hidden, inter, experts, topk = MID
     smem = _max_smem(torch.device('cuda'))
-    w = weights_for('fp8xfp8', hidden, inter, experts, len(ns))
+    w = weights_for(mma_type, hidden, inter, experts, len(ns))
     for r, n in enumerate(ns):
-        v = kernel_variant('fp8xfp8', len(ns), experts, topk, hidden, inter, n, sms, smem, shares_gpu=len(ns) > 1)
+        v = kernel_variant(mma_type, len(ns), experts, topk, hidden, inter, n, sms, smem, shares_gpu=len(ns) > 1)
         assert (v[1], v[4]) == (128, 256), f'rank {r} n = {n}: {v} is not the 256-wide prefill kernel'
-    check_case('fp8xfp8', *MID, ns, seed, weights=w, sms=sms, **routing)
+    check_case(mma_type, *MID, ns, seed, weights=w, sms=sms, **routing)
 
 
 @pytest.mark.parametrize('mma_type', FORMATS)

@@ -269,8 +269,9 @@ inline MegaMoEConfig get_mega_moe_config(MmaType mma_type, int num_ranks, int nu
             c.block_n_l2 = 4 * kMegaMoEBlockNL2;
     }
 
-    // FP8 x FP8 prefill: 256-wide L2 tasks where an SM runs many (kPrefillL2WideMinTasksPerSM)
-    if (c.block_m == 128 and mma_type == MmaType::kFP8xFP8 and hidden % (2 * kMegaMoEBlockNL2) == 0 and
+    // FP8 x FP8 and BF16 prefill: 256-wide L2 tasks where an SM runs many (kPrefillL2WideMinTasksPerSM;
+    // BF16: the FP8 rule, not measured yet)
+    if (c.block_m == 128 and mma_type != MmaType::kFP8xFP4 and hidden % (2 * kMegaMoEBlockNL2) == 0 and
         l2_tasks_128 / 2 >= static_cast<int64_t>(kPrefillL2WideMinTasksPerSM) * num_sms)
         c.block_n_l2 = 2 * kMegaMoEBlockNL2;
 

@@ -52,14 +52,14 @@ struct SM90MegaMoEVariant {
     MmaType mma_type;
     int block_m, num_stages;
     bool fast_math;
-    int block_n_l2;     // L2 task width: 128, 256 / 512 with block_m 64, or 256 FP8 x FP8 with block_m 128 (mega_moe_l2_block_n_ok)
+    int block_n_l2;     // L2 task width: 128, 256 / 512 with block_m 64, or 256 FP8 x FP8 / BF16 with block_m 128 (mega_moe_l2_block_n_ok)
     int wide_n_min = 64;   // narrowest transposed wide tile: 64, or 16 / 32 for FP8 x FP4 with block_m 64 (mega_moe_wide_n_ok)
     bool signals_thread = false;   // FP8 x FP4 with block_m 64 only (mega_moe_signals_thread_ok)
     bool cta_pair = false;         // FP8 x FP4 decode: two CTAs an SM, one math warpgroup each (mega_moe_cta_pair_ok)
 
     void check() const {
         if (not mega_moe_l2_block_n_ok(mma_type, block_m, block_n_l2))
-            jit::raise_invalid_argument("block_n_l2: expected 128, 256 / 512 with block_m = 64, or 256 for fp8xfp8 with block_m = 128; got ",
+            jit::raise_invalid_argument("block_n_l2: expected 128, 256 / 512 with block_m = 64, or 256 for fp8xfp8 / bf16xbf16 with block_m = 128; got ",
                                         block_n_l2, " with block_m = ", block_m, " (mma_type ", static_cast<int>(mma_type), ")");
         if (not mega_moe_wide_n_ok(mma_type, block_m, wide_n_min))
             jit::raise_invalid_argument("wide_n_min: expected 64, or 16 / 32 for fp8xfp4 with block_m = 64; got ", wide_n_min,
@@ -148,7 +148,7 @@ inline CUtensorMap make_kmajor_tma(int64_t ptr, CUtensorMapDataType dtype, uint6
 
 // The L2 task width a call launches: the heuristic's, or the tuning aid DG_MEGA_MOE_L2_BLOCK_N = 128,
 // 256 or 512 (docs/KERNEL.md; read once per process), which picks the kernel variant of that width
-// where there is one (256 / 512 with BLOCK_M 64, 256 for FP8 x FP8 with BLOCK_M 128) and the hidden size is whole tasks of it, else the
+// where there is one (256 / 512 with BLOCK_M 64, 256 for FP8 x FP8 / BF16 with BLOCK_M 128) and the hidden size is whole tasks of it, else the
 // widest narrower one that is
 inline int select_mega_moe_l2_block_n(const MegaMoEConfig& config, int hidden) {
     static const int l2_block_n_override = read_env_choice("DG_MEGA_MOE_L2_BLOCK_N", {"128", "256", "512"});

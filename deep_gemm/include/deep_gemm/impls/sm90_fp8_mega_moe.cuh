@@ -170,7 +170,7 @@ struct TensorMaps {
 template <MmaType kMmaType, int BLOCK_M, int kNumStages, bool kFastMath, int kL2BlockN, int kWideNMin>
 struct Kernel {
     static_assert(BLOCK_M == 64 or BLOCK_M == 128, "one or two math warpgroups of 64 rows");
-    static_assert(mega_moe_l2_block_n_ok(kMmaType, BLOCK_M, kL2BlockN), "L2 tasks: 128 wide, 256 / 512 wide with BLOCK_M = 64, or 256 wide FP8 with BLOCK_M = 128");
+    static_assert(mega_moe_l2_block_n_ok(kMmaType, BLOCK_M, kL2BlockN), "L2 tasks: 128 wide, 256 / 512 wide with BLOCK_M = 64, or 256 wide FP8 / BF16 with BLOCK_M = 128");
     static_assert(mega_moe_wide_n_ok(kMmaType, BLOCK_M, kWideNMin), "transposed tiles below N = 64: FP8 x FP4 decode only");
     static_assert(L::kMaxBlockM % BLOCK_M == 0 and BLOCK_M >= L::kMinBlockM, "pools are padded for kMinBlockM..kMaxBlockM");
     static_assert(kNumStages >= 2, "pipeline needs at least double buffering");
@@ -207,8 +207,9 @@ struct Kernel {
     static constexpr int kL2Tiles = kL2PassN / kMegaMoEBlockNL2;       // 128-column tiles per pass
     static constexpr int kL2Passes = kL2BlockN / kL2PassN;
     static constexpr int kL2WidePasses = kL2BlockN / kMegaMoEBlockNL2;
-    // BLOCK_M = 128 (prefill, FP8) with 256-wide L2 tasks: a task is one K loop over a 256-row B tile,
-    // two 128-column wgmma halves per K-block as L1's gate and up (l2_mainloop<2>), not two passes
+    // BLOCK_M = 128 (prefill, FP8 / BF16) with 256-wide L2 tasks: a task is one K loop over a 256-row B
+    // tile (l2_mainloop<2>: FP8 two 128-column wgmma halves per K-block as L1's gate and up, BF16 one
+    // N = 256 wgmma), not two passes
     static constexpr bool kL2OnePass = not kSplitN and kL2BlockN == 2 * kMegaMoEBlockNL2;
     static constexpr int kStageBytes = mega_moe_stage_bytes(kMmaType, BLOCK_M);
     static constexpr int kStageSfBytes = mega_moe_stage_sf_bytes(kMmaType, BLOCK_M);
@@ -1622,6 +1623,13 @@ struct Kernel {
             // (its accumulators 0..63 are columns 0..127 = gate), which reads A once
             float (&acc_g)[kL1Half] = *reinterpret_cast<float (*)[kL1Half]>(gate);
             float (&acc_u)[kL1Half] = *reinterpret_cast<float (*)[kL1Half]>(up);
+            // 128-row tiles: zeroed first, so that the first wgmma's (unscaled) input is not the
+            // previous task's values; else the accumulator is live across the task loop, and with the
+            // 256-wide L2 task's next to it both went through local memory every K-block
+            if constexpr (not kSplitN) {
+                #pragma unroll
+                for (int i = 0; i < kL1Acc; ++i) acc[i] = 0.0f;
+            }
             for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
                 if (not wait_full(stage_iter)) return false;
                 const int s = stage_iter % kNumStages;
@@ -1667,7 +1675,7 @@ struct Kernel {
     template <int kTiles = 1>
     __device__ bool l2_mainloop(uint32_t& stage_iter, const MathThread& mt, float (&acc)[kL2Acc * kTiles]) {
         static_assert(not kFP4 or kExpandAhead, "FP8 x FP4 runs wide tiles at prefill only (decode: transposed_l2_mainloop)");
-        static_assert(kTiles == 1 or (kL2OnePass and kFP8 and not kFP4), "two tiles a K-block: 256-wide FP8 prefill tasks");
+        static_assert(kTiles == 1 or (kL2OnePass and not kFP4), "two tiles a K-block: 256-wide FP8 / BF16 prefill tasks");
         const int num_kb = lay.intermediate_hidden / BLOCK_K;
         const uint32_t a_offset = mt.row0() * 128, b_offset = kSplitN ? mt.wg * 64 * 128 : 0;
         if constexpr (kTiles == 2 and kFP8) {
@@ -1696,6 +1704,25 @@ struct Kernel {
                     #pragma unroll
                     for (int i = 0; i < kL2Acc; ++i) acc[t * kL2Acc + i] += part[i] * ((i & 2) ? s1 : s0);
                 }
+            }
+        } else if constexpr (kTiles == 2) {
+            // BF16: one N = 256 wgmma over both tiles (accumulators 0..63: the first tile's columns).
+            // Zeroed first: the first wgmma's (unscaled) input is then not the previous task's
+            // values, which would keep a second 128-register array live across the task loop
+            #pragma unroll
+            for (int i = 0; i < 2 * kL2Acc; ++i) acc[i] = 0.0f;
+            for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
+                if (not wait_full(stage_iter)) return false;
+                const int s = stage_iter % kNumStages;
+                const uint64_t da = mma::make_k_major_sw128_desc(sm.stage_a(s) + a_offset);
+                const uint64_t db = mma::make_k_major_sw128_desc(sm.mma_b(s, stage_iter));
+                mma::fence_operands(acc);
+                mma::warpgroup_arrive();
+                mma::BF16MmaN256::fma_k_block(da, db, acc, kb > 0);
+                mma::warpgroup_commit();
+                mma::warpgroup_wait<0>();
+                mma::fence_operands(acc);
+                release_stage(stage_iter, mt);
             }
         } else if constexpr (kFP8) {
             float part[kL2Acc];
