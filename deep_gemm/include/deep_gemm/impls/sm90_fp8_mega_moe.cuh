@@ -1890,6 +1890,16 @@ struct Kernel {
         return peer<uint8_t>(src, lay.combine) + ((static_cast<int64_t>(k) * n_max + token) * lay.hidden + col0) * 2 + byte;
     }
 
+    // An L2 tile's copy-out: 16-byte chunks of this warpgroup's columns per row, and the copy passes
+    // of its 64 rows over the warpgroup's 128 threads
+    static constexpr int kL2Chunks = kL2Cols * 2 / 16;
+    static constexpr int kL2CopyPasses = 64 * kL2Chunks / 128;
+    // The routing of the warpgroup's rows of M-block m (padding rows: -1, never written back)
+    __device__ void load_l2_row_infos(int (&info)[kL2CopyPasses], int m, int num_rows, const MathThread& mt) const {
+        const int rows = max_of(0, min_of(64, num_rows - mt.row0()));
+        load_row_infos<kL2Chunks>(info, static_cast<int64_t>(m) * BLOCK_M + mt.row0(), mt.tid, rows);
+    }
+
     // L2 epilogue: BF16 rows straight into the source rank's combine slot [k][token][hidden]. Each
     // warpgroup stages and copies out only its own part of the tile (its 64 rows, or split: its 64
     // columns), so the two never share shared-memory bytes here. `j`: the tile's 128-column block
@@ -1897,13 +1907,15 @@ struct Kernel {
     // signals the task done.
     template <bool kLastTile = true>
     __device__ void l2_epilogue(int m, int j, int num_rows, const MathThread& mt, float (&acc)[kL2Acc]) {
+        int info[kL2CopyPasses];
+        load_l2_row_infos(info, m, num_rows, mt);
+        l2_epilogue<kLastTile>(j, mt, acc, info);
+    }
+    // ... with the rows' routing loaded by the caller (a 256-wide kL2OnePass task: one load, two tiles)
+    template <bool kLastTile>
+    __device__ void l2_epilogue(int j, const MathThread& mt, float (&acc)[kL2Acc], const int (&info)[kL2CopyPasses]) {
         uint8_t* tile = sm.epilogue + mt.row0() * kMegaMoEEpilogueRowBytes;
         const int col_base = kSplitN ? mt.wg * 64 : 0;      // columns of the 128-wide N-block
-        constexpr int kChunks = kL2Cols * 2 / 16;          // 16-byte chunks of this warpgroup's columns
-        constexpr int kPasses = 64 * kChunks / 128;
-        const int rows = max_of(0, min_of(64, num_rows - mt.row0()));   // padding rows are never written back
-        int info[kPasses];
-        load_row_infos<kChunks>(info, static_cast<int64_t>(m) * BLOCK_M + mt.row0(), mt.tid, rows);
         #pragma unroll
         for (int half = 0; half < 2; ++half) {
             uint8_t* row = tile + (mt.row_in_tile(half) - mt.row0()) * kMegaMoEEpilogueRowBytes;
@@ -1914,10 +1926,10 @@ struct Kernel {
             }
         }
         named_barrier(kBarrierMathBase + mt.wg, 128);
-        const int col = col_base * 2 + (mt.tid % kChunks) * 16;
+        const int col = col_base * 2 + (mt.tid % kL2Chunks) * 16;
         #pragma unroll
-        for (int i = 0; i < kPasses; ++i) {
-            const int r = mt.tid / kChunks + i * (128 / kChunks);
+        for (int i = 0; i < kL2CopyPasses; ++i) {
+            const int r = mt.tid / kL2Chunks + i * (128 / kL2Chunks);
             if (info[i] >= 0)
                 *reinterpret_cast<int4*>(combine_slot(info[i], j * 128, col)) = *reinterpret_cast<const int4*>(tile + r * kMegaMoEEpilogueRowBytes + col);
         }
@@ -3378,8 +3390,10 @@ struct Kernel {
                         float wide_acc[2 * kL2Acc];
                         if (not l2_mainloop<2>(stage_iter, mt, wide_acc) or task_stages_dead(stage_iter)) break;
                         log_task(mt, kTaskStampLoopEnd);
-                        l2_epilogue<false>(m, 2 * j, rows, mt, *reinterpret_cast<float (*)[kL2Acc]>(wide_acc));
-                        l2_epilogue(m, 2 * j + 1, rows, mt, *reinterpret_cast<float (*)[kL2Acc]>(wide_acc + kL2Acc));
+                        int info[kL2CopyPasses];   // the same rows for both tiles
+                        load_l2_row_infos(info, m, rows, mt);
+                        l2_epilogue<false>(2 * j, mt, *reinterpret_cast<float (*)[kL2Acc]>(wide_acc), info);
+                        l2_epilogue<true>(2 * j + 1, mt, *reinterpret_cast<float (*)[kL2Acc]>(wide_acc + kL2Acc), info);
                     }
                 } else if constexpr (kL2Tiles == 1) {
                     if (not l2_mainloop(stage_iter, mt, acc) or task_stages_dead(stage_iter)) break;
