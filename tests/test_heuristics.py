@@ -245,18 +245,21 @@ def test_l2_task_width():
     # ... but not on 64 SMs
     assert config('fp8xfp8', num_ranks=1, num_experts=128, num_topk=8, hidden=2048, intermediate_hidden=768,
                   num_tokens=1, num_sms=64)['block_n_l2'] == 256
-    # prefill (BLOCK_M 128): FP8 x FP8 and BF16 256-wide from 24 expected 256-wide L2 tasks per SM (mid n = 8192:
-    # 128 experts x 4 M-blocks x 8 = 4096 on 132 SMs, 31 each; n = 4096: 15.5), the others 128
-    for fmt, n, width in [('fp8xfp8', 8192, 256), ('fp8xfp8', 4096, 128), ('fp8xfp8', 2048, 128),
-                          ('fp8xfp4', 8192, 128), ('bf16xbf16', 8192, 256), ('bf16xbf16', 4096, 128)]:
+    # prefill (BLOCK_M 128): BF16 256-wide always, FP8 x FP8 from 12 expected 256-wide L2 tasks per SM
+    # (mid n = 8192: 128 experts x 4 M-blocks x 8 = 4096 on 132 SMs, 31 each; n = 4096: 15.5; n = 2048 and
+    # 1280: one M-block each, 7.8), FP8 x FP4 128
+    for fmt, n, width in [('fp8xfp8', 8192, 256), ('fp8xfp8', 4096, 256), ('fp8xfp8', 2048, 128), ('fp8xfp8', 1280, 128),
+                          ('fp8xfp4', 8192, 128), ('bf16xbf16', 8192, 256), ('bf16xbf16', 4096, 256),
+                          ('bf16xbf16', 1280, 256)]:
         c = config(fmt, num_ranks=1, num_experts=128, num_topk=8, hidden=2048, intermediate_hidden=768, num_tokens=n)
         assert (c['block_m'], c['block_n_l2']) == (128, width), (fmt, n, c)
-    # ... per SM: mid n = 8192 on 264 SMs (15.5 each) stays 128; v4-flash n = 4096 (256 experts x 1 x 16
-    # = 4096, 31 each) 256, but not where H is not whole 256-wide tasks
+    # ... per SM: mid n = 4096 on 264 SMs (7.8 each) stays 128; v4-flash n = 4096 (256 experts x 1 x 16
+    # = 4096, 31 each) 256, but not where H is not whole 256-wide tasks (BF16 too)
     assert config('fp8xfp8', num_ranks=1, num_experts=128, num_topk=8, hidden=2048, intermediate_hidden=768,
-                  num_tokens=8192, num_sms=264)['block_n_l2'] == 128
+                  num_tokens=4096, num_sms=264)['block_n_l2'] == 128
+    for fmt in ('fp8xfp8', 'bf16xbf16'):
+        assert config(fmt, num_ranks=1, num_experts=256, num_topk=6, hidden=4224, num_tokens=4096)['block_n_l2'] == 128
     assert config('fp8xfp8', num_ranks=1, num_experts=256, num_topk=6, hidden=4096, num_tokens=4096)['block_n_l2'] == 256
-    assert config('fp8xfp8', num_ranks=1, num_experts=256, num_topk=6, hidden=4224, num_tokens=4096)['block_n_l2'] == 128
     # decode with 8 or more tokens per expert (mid: n = 128 is 8 per expert, n = 512 32; BLOCK_M 64
     # up to 64): FP8 and BF16 512-wide, FP8 x FP4 256-wide; fewer tokens per expert 256 (mid n = 8,
     # 64: 0.5, 4 per expert)
@@ -342,7 +345,7 @@ def _launched_variants(override, cases=_CASES):
 
 
 @pytest.mark.parametrize('override, widths', [
-    (None, [256, 128, 128, 128, 256, 256, 128, 128]),    # the heuristic's choice
+    (None, [256, 128, 256, 128, 256, 256, 128, 128]),    # the heuristic's choice (mid FP8 n = 4096: 15.5 256-wide tasks per SM)
     ('128', [128, 128, 128, 128, 128, 128, 128, 128]),
     ('256', [256, 256, 256, 128, 256, 256, 256, 128]),   # BLOCK_M 128: not FP8 x FP4; not with H % 256 != 0
     ('512', [512, 512, 256, 128, 512, 512, 256, 128]),   # the widest that divides H (512: BLOCK_M 64 only)

@@ -235,7 +235,7 @@ def test_virtual_ranks_prepare_every_variant_before_the_first_launch(monkeypatch
     assert [e[2] for e in events[:4]] == [{'ranks_share_gpu': True, 'hbm_gbps': 0}] * 4
     variants = [_C.get_mega_moe_kernel_variant(*a[:-1], ranks_share_gpu=True, hbm_gbps=0) for a in args]
     assert [v['block_m'] for v in variants] == [64, 64, 64, 128]
-    assert [v['block_n_l2'] for v in variants] == [512, 256, 128, 128]
+    assert [v['block_n_l2'] for v in variants] == [512, 256, 128, 256]   # rank 3: 1024 tokens on 33 SMs, 256-wide prefill L2 tasks
     assert [a[6] for a in args] == ns
     assert [e[1] for e in events[4:]] == ns
 

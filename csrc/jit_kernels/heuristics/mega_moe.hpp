@@ -47,12 +47,14 @@ constexpr int kSignalsThreadMinTasksPerSM = 4;
 // FP8 / BF16 decode: 512-wide L2 tasks from this many expected tokens per local expert touched
 // (docs/PERF.md, session 28)
 constexpr int kL2WideTokensPerExpert = 8;
-// FP8 x FP8 prefill (BLOCK_M 128): 256-wide L2 tasks (one K loop over a 256-row B tile, two
-// 128-column wgmma halves per K-block as L1's gate and up) from this many expected 256-wide L2 tasks
-// per SM. Measured (docs/PERF.md, session 37, one H100, 128 -> 256): v4-flash n = 4096 / 8192 (31 /
-// 62 per SM) -1.9 / -9.0 %, deepseek-v3 n = 4096 (54) -4.2 %, mid n = 8192 (31) -1.9 %; mid n = 4096
-// (15.5) even, n = 2048 (7.8) +1.7 % (the phase's last round of twice-longer tasks)
-constexpr int kPrefillL2WideMinTasksPerSM = 24;
+// Prefill (BLOCK_M 128), FP8 x FP8 and BF16: 256-wide L2 tasks (one K loop over a 256-row B tile:
+// FP8 two 128-column wgmma halves per K-block as L1's gate and up, BF16 one N = 256 wgmma). BF16
+// takes them at every prefill call: measured (docs/PERF.md, session 38, one H100, 128 -> 256) mid
+// n = 1280 / 2048 / 4096 / 8192 -19.5 / -20.6 / -22.3 / -24 %, v4-flash n = 4096 / 8192 -12 / -19 %.
+// FP8 x FP8 from this many expected 256-wide L2 tasks per SM: mid n = 4096 (15.5 per SM) -3.4 %,
+// v4-flash n = 4096 / 8192 (31 / 62) -1.9 / -9.0 %, deepseek-v3 n = 4096 (54) -4.2 % (session 37);
+// at 7.8 per SM (one M-block per expert) mid n = 2048 -2.2 % but n = 1280 +1.4 % (session 38)
+constexpr int kPrefillL2WideMinTasksPerSM = 12;
 // The CTA pair (FP8 x FP4 decode: two CTAs an SM, one math warpgroup each; docs/KERNEL.md): from this
 // many expected L1 + L2 tasks per SM, and below kFP4WideTokensPerExpert expected tokens per expert
 // (where the two-warpgroup kernel would run M-blocks of more than 8 tokens as N = 64 transposed
@@ -269,10 +271,9 @@ inline MegaMoEConfig get_mega_moe_config(MmaType mma_type, int num_ranks, int nu
             c.block_n_l2 = 4 * kMegaMoEBlockNL2;
     }
 
-    // FP8 x FP8 and BF16 prefill: 256-wide L2 tasks where an SM runs many (kPrefillL2WideMinTasksPerSM;
-    // BF16: the FP8 rule, not measured yet)
+    // Prefill: 256-wide L2 tasks, BF16 always, FP8 x FP8 where an SM runs many (kPrefillL2WideMinTasksPerSM)
     if (c.block_m == 128 and mma_type != MmaType::kFP8xFP4 and hidden % (2 * kMegaMoEBlockNL2) == 0 and
-        l2_tasks_128 / 2 >= static_cast<int64_t>(kPrefillL2WideMinTasksPerSM) * num_sms)
+        (mma_type == MmaType::kBF16xBF16 or l2_tasks_128 / 2 >= static_cast<int64_t>(kPrefillL2WideMinTasksPerSM) * num_sms))
         c.block_n_l2 = 2 * kMegaMoEBlockNL2;
 
     // FP8 x FP4 decode runs M-blocks of more than 8 tokens as transposed tiles of N = 64, or with the
