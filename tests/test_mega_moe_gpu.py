@@ -188,8 +188,8 @@ L2_512_CASES = [   # (shape, ns, seed, routing, sms)
 
 
 # FP8 x FP8 and BF16 prefill with 256-wide L2 tasks (BLOCK_M 128, one K loop over a 256-row B tile):
-# the heuristic picks it from 24 expected tasks per SM (v4-flash n >= 3072 on 132 SMs), here reached
-# with fewer CTAs: mid at n = 2048 (1024 tasks) on 32 CTAs, with masks, with a hot expert (its M-blocks
+# the heuristic picks it for BF16 at every prefill call and for FP8 from 12 expected tasks per SM
+# (mid n >= 4096 on 132 SMs), here reached with fewer CTAs: mid at n = 2048 (1024 tasks) on 32 CTAs, with masks, with a hot expert (its M-blocks
 # many and full, the others' partial), with experts left empty, and on two virtual ranks of unequal n
 PREFILL_L2_256_CASES = [   # (ns, seed, routing, CTAs per rank)
     ([2048], 51, {}, 32), ([2048], 52, {'mask_frac': 0.3}, 32), ([2048], 53, {'hot_expert': 5}, 32),
