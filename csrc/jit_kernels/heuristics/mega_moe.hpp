@@ -93,7 +93,7 @@ struct MegaMoEConfig {
     int block_m;               // 64 or 128 pool rows per M-block
     int num_math_warpgroups;   // 2: 64 rows each (block_m 128) or half the columns each (block_m 64)
     int block_n_l1;            // 256: 128 gate + 128 up columns
-    int block_n_l2;            // L2 task width, a kernel variant: 128, or 256 / 512 (decode, 128-wide tasks outnumber the SMs; FP8 prefill 256)
+    int block_n_l2;            // L2 task width, a kernel variant: 128, or 256 / 512 (decode, 128-wide tasks outnumber the SMs; FP8 x FP8 / BF16 prefill 256)
     int wide_n_min;            // narrowest transposed wide tile, a kernel variant: 64, or 16 (FP8 x FP4 decode, many tokens per expert)
     bool signals_thread;       // FP8 x FP4 decode: a dispatch thread raises the math's task signals (a kernel variant, `_sig`)
     bool cta_pair;             // FP8 x FP4 decode: two CTAs an SM, one math warpgroup each (a kernel variant, `_pair`)
@@ -272,7 +272,7 @@ inline MegaMoEConfig get_mega_moe_config(MmaType mma_type, int num_ranks, int nu
     }
 
     // Prefill: 256-wide L2 tasks, BF16 always, FP8 x FP8 where an SM runs many (kPrefillL2WideMinTasksPerSM)
-    if (c.block_m == 128 and mma_type != MmaType::kFP8xFP4 and hidden % (2 * kMegaMoEBlockNL2) == 0 and
+    if (c.block_m == 128 and mega_moe_l2_block_n_ok(mma_type, c.block_m, 2 * kMegaMoEBlockNL2) and hidden % (2 * kMegaMoEBlockNL2) == 0 and
         (mma_type == MmaType::kBF16xBF16 or l2_tasks_128 / 2 >= static_cast<int64_t>(kPrefillL2WideMinTasksPerSM) * num_sms))
         c.block_n_l2 = 2 * kMegaMoEBlockNL2;
 
