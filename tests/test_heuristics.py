@@ -17,9 +17,9 @@ H100_HBM = 3352
 
 
 def config(mma_type='fp8xfp4', num_ranks=8, num_experts=256, num_topk=8, hidden=7168, intermediate_hidden=2048,
-           num_tokens=128, num_sms=H200_SMS, max_smem_bytes=H200_SMEM, hbm_gbps=H200_HBM):
+           num_tokens=128, num_sms=H200_SMS, max_smem_bytes=H200_SMEM, hbm_gbps=H200_HBM, block_m=0):
     return _C.get_mega_moe_config(MMA_TYPES[mma_type], num_ranks, num_experts, num_topk, hidden,
-                                  intermediate_hidden, num_tokens, num_sms, max_smem_bytes, hbm_gbps=hbm_gbps)
+                                  intermediate_hidden, num_tokens, num_sms, max_smem_bytes, hbm_gbps=hbm_gbps, block_m=block_m)
 
 
 def expected_smem(mma_type, block_m, stages):
@@ -365,6 +365,28 @@ def test_launched_kernel_has_the_l2_width(override, widths):
 def test_launcher_rejects_a_bad_l2_width_setting():
     out = _launched_variants('192', [_MID_N1])
     assert 'DG_MEGA_MOE_L2_BLOCK_N' in out[0] and "'192'" in out[0]
+
+
+@pytest.mark.parametrize('block_m', [64, 128])
+def test_block_m_override(block_m):
+    # The tuning aid DG_MEGA_MOE_BLOCK_M (the heuristic's block_m argument): the config is the one the
+    # heuristic builds around that BLOCK_M (stages, L2 width), on either side of the 64-per-expert rule
+    for n in (8, 2048, 4096):   # deepseek-v3: 0.25, 64 and 128 tokens per expert
+        c = config('bf16xbf16', num_ranks=1, num_experts=256, num_topk=8, hidden=7168, num_tokens=n, block_m=block_m)
+        assert c['block_m'] == block_m and c['num_stages'] == (3 if block_m == 128 else 5), (n, c['description'])
+    # the launcher reads the variable once per process
+    ds = (MMA_TYPES['bf16xbf16'], 1, 256, 8, 7168, 2048, 2048, H200_SMS)
+    v, = json.loads(_run_script(_CALLS_SCRIPT, 'DG_MEGA_MOE_BLOCK_M', str(block_m), 'get_mega_moe_kernel_variant',
+                                json.dumps([ds])))
+    assert v['block_m'] == block_m and f"_m{block_m}_" in v['name']
+
+
+def test_bad_block_m_is_rejected():
+    with pytest.raises(ValueError, match='block_m = 96 is invalid: expected 0'):
+        config(num_tokens=8, block_m=96)
+    out = json.loads(_run_script(_CALLS_SCRIPT, 'DG_MEGA_MOE_BLOCK_M', '256', 'get_mega_moe_kernel_variant',
+                                 json.dumps([_MID_N1])))
+    assert 'DG_MEGA_MOE_BLOCK_M' in out[0] and "'256'" in out[0]
 
 
 def test_wide_l2_block_m_rules():

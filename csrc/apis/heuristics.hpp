@@ -37,28 +37,29 @@ inline pybind11::dict config_to_dict(const MegaMoEConfig& c) {
 
 inline MegaMoEConfig config_from_args(int mma_type, int num_ranks, int num_experts, int num_topk, int hidden,
                                       int intermediate_hidden, int num_tokens, int num_sms, int max_smem_bytes, int cta_pair = -1,
-                                      int hbm_gbps = 0) {
+                                      int hbm_gbps = 0, int block_m = 0) {
     return get_mega_moe_config(mega_moe_mma_type(mma_type), num_ranks, num_experts, num_topk, hidden,
-                               intermediate_hidden, num_tokens, num_sms, max_smem_bytes, cta_pair, hbm_gbps);
+                               intermediate_hidden, num_tokens, num_sms, max_smem_bytes, cta_pair, hbm_gbps, block_m);
 }
 
 inline void register_apis(pybind11::module_& m) {
     namespace py = pybind11;
     m.def("get_mega_moe_config",
           [](int mma_type, int num_ranks, int num_experts, int num_topk, int hidden, int intermediate_hidden,
-             int num_tokens, int num_sms, int max_smem_bytes, int cta_pair, int hbm_gbps) {
+             int num_tokens, int num_sms, int max_smem_bytes, int cta_pair, int hbm_gbps, int block_m) {
               return config_to_dict(config_from_args(mma_type, num_ranks, num_experts, num_topk, hidden,
                                                      intermediate_hidden, num_tokens, num_sms, max_smem_bytes, cta_pair,
-                                                     hbm_gbps));
+                                                     hbm_gbps, block_m));
           },
           py::arg("mma_type"), py::arg("num_ranks"), py::arg("num_experts"), py::arg("num_topk"), py::arg("hidden"),
           py::arg("intermediate_hidden"), py::arg("num_tokens"), py::arg("num_sms"),
           py::arg("max_smem_bytes") = mega_moe_tiles::kSM90MaxSmemBytes, py::arg("cta_pair") = -1, py::arg("hbm_gbps") = 0,
+          py::arg("block_m") = 0,
           "Kernel config the Mega MoE launcher picks for this shape and token count (dict of MegaMoEConfig\n"
           "fields plus 'description'). mma_type: 0 fp8xfp4, 1 fp8xfp8, 2 bf16xbf16. cta_pair: -1 the\n"
           "heuristic's choice, 0 never, 1 wherever the kernel has the variant. hbm_gbps: the GPU's peak HBM\n"
           "bandwidth in GB/s (the launcher passes the device's: H100 SXM 3352, H200 4917), 0 unknown.\n"
-          "Raises ValueError.");
+          "block_m: 0 the heuristic's choice, 64 or 128 (DG_MEGA_MOE_BLOCK_M). Raises ValueError.");
     m.def("print_mega_moe_config_if_requested",
           [](int mma_type, int num_ranks, int num_experts, int num_topk, int hidden, int intermediate_hidden,
              int num_tokens, int num_sms, int max_smem_bytes) {

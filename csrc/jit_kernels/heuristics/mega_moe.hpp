@@ -150,7 +150,8 @@ inline MmaType mega_moe_mma_type(int mma_type) {
 // one part and lose on the other are taken only where it is known (kCtaPairWideMinHbmGBps).
 inline MegaMoEConfig get_mega_moe_config(MmaType mma_type, int num_ranks, int num_experts, int num_topk,
                                          int hidden, int intermediate_hidden, int num_expected_tokens_per_rank,
-                                         int num_sms, int max_smem_bytes, int cta_pair = -1, int hbm_gbps = 0) {
+                                         int num_sms, int max_smem_bytes, int cta_pair = -1, int hbm_gbps = 0,
+                                         int block_m = 0) {
     using namespace mega_moe_tiles;
     mega_moe_mma_type(static_cast<int>(mma_type));   // the one range check of the format
     if (num_ranks < 1 or num_ranks > kMaxRanks)
@@ -173,6 +174,8 @@ inline MegaMoEConfig get_mega_moe_config(MmaType mma_type, int num_ranks, int nu
         throw_invalid_config_arg("cta_pair", cta_pair, "-1 (the heuristic's choice), 0 or 1");
     if (hbm_gbps < 0)
         throw_invalid_config_arg("hbm_gbps", hbm_gbps, ">= 0 (0: unknown)");
+    if (block_m != 0 and block_m != 64 and block_m != 128)
+        throw_invalid_config_arg("block_m", block_m, "0 (the heuristic's choice), 64 or 128");
 
     MegaMoEConfig c{};
     c.mma_type = mma_type;
@@ -184,7 +187,7 @@ inline MegaMoEConfig get_mega_moe_config(MmaType mma_type, int num_ranks, int nu
     // BLOCK_M = 64 when an expert's tokens fit one WGMMA M of 64: a 128-row block would be at least
     // half padding, and two 64-row M-blocks give the scheduler twice the parallelism per expert.
     // Above that, 128 rows halve the weight re-reads per token (weights are read once per M-block).
-    c.block_m = num_routed_pairs <= static_cast<int64_t>(kWarpgroupBlockM) * num_experts ? 64 : 128;
+    c.block_m = block_m != 0 ? block_m : num_routed_pairs <= static_cast<int64_t>(kWarpgroupBlockM) * num_experts ? 64 : 128;
     static_assert(layout::kMinBlockM <= 64 and 128 <= layout::kMaxBlockM and layout::kMaxBlockM % 128 == 0,
                   "the buffer's pools must be padded for both BLOCK_M choices");
     c.num_math_warpgroups = kMegaMoENumMathWarpgroups;   // block_m 64: the two split the columns

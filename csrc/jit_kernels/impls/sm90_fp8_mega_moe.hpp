@@ -199,10 +199,12 @@ inline std::pair<MegaMoEConfig, SM90MegaMoEVariant> select_sm90_mega_moe_variant
     // the block scheduler may spread one an SM) beside a one-CTA-an-SM rank could leave CTAs without an
     // SM, waiting on each other until the spin-wait bound (seen: 4 virtual ranks, n = 64 / 7 / 0 / 1024)
     static const int pair_override = read_env_choice("DG_MEGA_MOE_CTA_PAIR", {"0", "1"});
+    // BLOCK_M: the heuristic's, or the tuning aid DG_MEGA_MOE_BLOCK_M = 64 / 128 (read once per process)
+    static const int block_m_override = read_env_choice("DG_MEGA_MOE_BLOCK_M", {"64", "128"});
     const int pair_choice = pair_override >= 0 ? pair_override : ranks_share_gpu ? 0 : -1;
     auto config = get_mega_moe_config(mma_type, num_ranks, num_experts, num_topk, hidden, intermediate_hidden,
                                       num_tokens, num_sms, max_smem_bytes, pair_choice,
-                                      hbm_gbps >= 0 ? hbm_gbps : current_device_hbm_gbps());
+                                      hbm_gbps >= 0 ? hbm_gbps : current_device_hbm_gbps(), max_of(block_m_override, 0));
     config.block_n_l2 = select_mega_moe_l2_block_n(config, hidden);
     config.wide_n_min = select_mega_moe_wide_n_min(config);
     config.signals_thread = select_mega_moe_signals_thread(config);
