@@ -74,6 +74,12 @@ def test_decode_picks_block_m_64_and_prefill_128():
     assert config(num_ranks=1, num_experts=8, num_topk=8, num_tokens=65)['block_m'] == 128
     # n = 0 (a rank with no tokens this call) is valid
     assert config(num_tokens=0)['block_m'] == 64
+    # FP8 x FP8 takes 128 above 63 expected tokens per expert, BF16 above 47 (FP8 x FP4 above 64, as
+    # above): one GPU, deepseek-v3 (256 experts, top-8: n / 32 per expert)
+    ds = dict(num_ranks=1, num_experts=256, num_topk=8)
+    for fmt, most_64 in (('fp8xfp8', 63), ('bf16xbf16', 47), ('fp8xfp4', 64)):
+        assert config(fmt, num_tokens=most_64 * 32, **ds)['block_m'] == 64, fmt
+        assert config(fmt, num_tokens=most_64 * 32 + 1, **ds)['block_m'] == 128, fmt
 
 
 @pytest.mark.parametrize('mma_type', list(MMA_TYPES))
@@ -261,11 +267,11 @@ def test_l2_task_width():
         assert config(fmt, num_ranks=1, num_experts=256, num_topk=6, hidden=4224, num_tokens=4096)['block_n_l2'] == 128
     assert config('fp8xfp8', num_ranks=1, num_experts=256, num_topk=6, hidden=4096, num_tokens=4096)['block_n_l2'] == 256
     # decode with 8 or more tokens per expert (mid: n = 128 is 8 per expert, n = 512 32; BLOCK_M 64
-    # up to 64): FP8 and BF16 512-wide, FP8 x FP4 256-wide; fewer tokens per expert 256 (mid n = 8,
+    # up to 63, BF16 47, FP8 x FP4 64): FP8 and BF16 512-wide, FP8 x FP4 256-wide; fewer tokens per expert 256 (mid n = 8,
     # 64: 0.5, 4 per expert)
     mid = dict(num_ranks=1, num_experts=128, num_topk=8, hidden=2048, intermediate_hidden=768)
     for fmt, n, width in [('fp8xfp8', 8, 256), ('fp8xfp8', 64, 256), ('fp8xfp8', 128, 512), ('fp8xfp8', 512, 512),
-                          ('fp8xfp8', 1024, 512), ('bf16xbf16', 8, 256), ('bf16xbf16', 256, 512),
+                          ('fp8xfp8', 1008, 512), ('bf16xbf16', 8, 256), ('bf16xbf16', 256, 512),
                           ('fp8xfp4', 8, 256), ('fp8xfp4', 256, 256), ('fp8xfp4', 1024, 256)]:
         c = config(fmt, num_tokens=n, **mid)
         assert (c['block_m'], c['block_n_l2']) == (64, width), (fmt, n, c)

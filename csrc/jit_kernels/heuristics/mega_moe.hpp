@@ -55,6 +55,15 @@ constexpr int kL2WideTokensPerExpert = 8;
 // v4-flash n = 4096 / 8192 (31 / 62) -1.9 / -9.0 %, deepseek-v3 n = 4096 (54) -4.2 % (session 37);
 // at 7.8 per SM (one M-block per expert) mid n = 2048 -2.2 % but n = 1280 +1.4 % (session 38)
 constexpr int kPrefillL2WideMinTasksPerSM = 12;
+// BLOCK_M 64 (decode tiles) up to this many expected tokens per local expert, 128 (prefill tiles)
+// above (docs/PERF.md, session 39, one H100, BLOCK_M 64 -> 128): BF16 deepseek-v3 n = 2048 (64 per
+// expert) -24 %, v4-flash n = 2048 (48) -3.7 %; FP8 x FP8 deepseek-v3 n = 2048 -12 %, mid n = 1024
+// (64) and v4-flash n = 2048 (48) within the spread; FP8 x FP4 deepseek-v3 n = 2048 +28 % (its
+// BLOCK_M 64 kernel runs such M-blocks as transposed N = 64 tiles, the expansion hidden), so it keeps
+// 64 up to 64 per expert, the rule all formats had before
+constexpr int mega_moe_block_m_64_max_tokens(MmaType mma_type) {
+    return mma_type == MmaType::kBF16xBF16 ? 47 : mma_type == MmaType::kFP8xFP8 ? 63 : 64;
+}
 // The CTA pair (FP8 x FP4 decode: two CTAs an SM, one math warpgroup each; docs/KERNEL.md): from this
 // many expected L1 + L2 tasks per SM, and below kFP4WideTokensPerExpert expected tokens per expert
 // (where the two-warpgroup kernel would run M-blocks of more than 8 tokens as N = 64 transposed
@@ -184,10 +193,13 @@ inline MegaMoEConfig get_mega_moe_config(MmaType mma_type, int num_ranks, int nu
     // Expected tokens one local expert receives: each of the R ranks sends n * topk (token, expert)
     // pairs spread over E experts. Exact in int64 (n * R * topk < 2^31 * 8 * 2^31).
     const int64_t num_routed_pairs = static_cast<int64_t>(num_expected_tokens_per_rank) * num_ranks * num_topk;
-    // BLOCK_M = 64 when an expert's tokens fit one WGMMA M of 64: a 128-row block would be at least
-    // half padding, and two 64-row M-blocks give the scheduler twice the parallelism per expert.
-    // Above that, 128 rows halve the weight re-reads per token (weights are read once per M-block).
-    c.block_m = block_m != 0 ? block_m : num_routed_pairs <= static_cast<int64_t>(kWarpgroupBlockM) * num_experts ? 64 : 128;
+    // BLOCK_M = 64 while an expert's tokens fit one WGMMA M of 64 (a 128-row block would be half
+    // padding, and two 64-row M-blocks give the scheduler twice the parallelism per expert); 128 rows
+    // read each expert's weights once where 64-row M-blocks would read them for each of its M-blocks,
+    // which pays above mega_moe_block_m_64_max_tokens per expert: for BF16 and FP8 x FP8 before the
+    // M-blocks of 64 are full (the expected count is a mean: at 48-64 many experts take two)
+    c.block_m = block_m != 0 ? block_m
+              : num_routed_pairs <= static_cast<int64_t>(mega_moe_block_m_64_max_tokens(mma_type)) * num_experts ? 64 : 128;
     static_assert(layout::kMinBlockM <= 64 and 128 <= layout::kMaxBlockM and layout::kMaxBlockM % 128 == 0,
                   "the buffer's pools must be padded for both BLOCK_M choices");
     c.num_math_warpgroups = kMegaMoENumMathWarpgroups;   // block_m 64: the two split the columns
