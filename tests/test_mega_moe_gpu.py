@@ -376,6 +376,17 @@ def test_prefill_combine_many_topk(mma_type):
     check_case(mma_type, *MANY_TOPK, ns, seed=23, mask_frac=0.3)
 
 
+# BLOCK_M 128 at 48-64 expected tokens per expert (FP8 x FP8 above 63, BF16 above 47; docs/PERF.md
+# session 39): mid at n = 1024 (64 per expert) and, BF16, n = 768 (48), where some experts get more
+# than 64 tokens (two M-blocks of 64 before) and others few (a warpgroup of padding rows)
+@pytest.mark.parametrize('mma_type, n', [('fp8xfp8', 1024), ('bf16xbf16', 1024), ('bf16xbf16', 768)])
+def test_prefill_tiles_at_48_to_64_tokens_per_expert(mma_type, n):
+    hidden, inter, experts, topk = MID
+    v = kernel_variant(mma_type, 1, experts, topk, hidden, inter, n, _C.get_num_sms(), _max_smem(torch.device('cuda')))
+    assert v[1] == 128, f'{v}: the case no longer covers what it says'
+    check_case(mma_type, *MID, [n], seed=61, mask_frac=0.1)
+
+
 @pytest.mark.parametrize('mma_type', FORMATS)
 def test_masks_skew_and_empty_experts(mma_type):
     check_case(mma_type, *MID, [512], seed=1, mask_frac=0.3)
