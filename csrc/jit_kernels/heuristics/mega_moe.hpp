@@ -27,8 +27,6 @@ namespace deep_gemm {
 namespace mega_moe_tiles {
 // Threads of one warpgroup
 constexpr int kNumWarpgroupThreads = 128;
-// Rows of an M-block one math warpgroup owns (WGMMA M = 64)
-constexpr int kWarpgroupBlockM = 64;
 // Pipelines shallower than this cannot overlap TMA with WGMMA; deeper ones stop paying off
 constexpr int kMinStages = 2;
 constexpr int kMaxStages = 8;
