@@ -4,6 +4,9 @@
 #
 #   run(command="bash scripts/device_run.sh [pytest args...]", carry=[".whl", ".jit_cache"])
 #   DG_TESTS_TIMEOUT_S: the tests' hard limit (default 420 s; exit 124 when it hits)
+#   DG_RUN_BENCH=1: then `python -m deep_gemm.bench --quick`; =full: the benchmark of record (every
+#   shape, format and token count, 30 replays: ~45 s on a warm H100, so it fits the call after the
+#   ~230 s suite); json, png and log under $OUT
 #
 # .whl holds nvidia-cutlass (CuTe headers); .jit_cache holds kernels compiled on the CPU machine
 # (`python scripts/prebuild_kernels.py`), so nvcc time is not spent on device time.
@@ -60,7 +63,10 @@ if [ "${DG_RUN_SANITIZER:-0}" = "1" ]; then
         done
     fi
 fi
-if [ "${DG_RUN_BENCH:-0}" = "1" ]; then
-    python3 -m deep_gemm.bench --quick --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench.log" | tail -40
-fi
+case "${DG_RUN_BENCH:-0}" in
+    1) python3 -m deep_gemm.bench --quick --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench.log" | tail -40 ;;
+    full) python3 -m deep_gemm.bench --reps 30 --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench.log" | tail -75 ;;
+    0) ;;
+    *) echo "DG_RUN_BENCH=${DG_RUN_BENCH}: expected 0, 1 (quick) or full" ;;
+esac
 exit $status
