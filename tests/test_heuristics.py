@@ -376,7 +376,7 @@ def test_launcher_rejects_a_bad_l2_width_setting():
 @pytest.mark.parametrize('block_m', [64, 128])
 def test_block_m_override(block_m):
     # The tuning aid DG_MEGA_MOE_BLOCK_M (the heuristic's block_m argument): the config is the one the
-    # heuristic builds around that BLOCK_M (stages, L2 width), on either side of the 64-per-expert rule
+    # heuristic builds around that BLOCK_M (stages, L2 width), on either side of the heuristic's own rule
     for n in (8, 2048, 4096):   # deepseek-v3: 0.25, 64 and 128 tokens per expert
         c = config('bf16xbf16', num_ranks=1, num_experts=256, num_topk=8, hidden=7168, num_tokens=n, block_m=block_m)
         assert c['block_m'] == block_m and c['num_stages'] == (3 if block_m == 128 else 5), (n, c['description'])
