@@ -58,7 +58,9 @@ constexpr int kPrefillL2WideMinTasksPerSM = 12;
 // expert) -24 %, v4-flash n = 2048 (48) -3.7 %; FP8 x FP8 deepseek-v3 n = 2048 -12 %, mid n = 1024
 // (64) and v4-flash n = 2048 (48) within the spread; FP8 x FP4 deepseek-v3 n = 2048 +28 % (its
 // BLOCK_M 64 kernel runs such M-blocks as transposed N = 64 tiles, the expansion hidden), so it keeps
-// 64 up to 64 per expert, the rule all formats had before
+// 64 up to 64 per expert, the rule all formats had before (session 40: above 64, BLOCK_M 64 won only
+// at deepseek-v3 n = 4096, -8 %, and lost at v4-flash n = 4096 / mid n = 4096, +9 / +12 %; BF16's 128
+// won 1.6-2.4 % at v4-flash from 24 per expert but lost at mid: neither edge moved)
 constexpr int mega_moe_block_m_64_max_tokens(MmaType mma_type) {
     return mma_type == MmaType::kBF16xBF16 ? 47 : mma_type == MmaType::kFP8xFP8 ? 63 : 64;
 }

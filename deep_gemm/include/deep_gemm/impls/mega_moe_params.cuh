@@ -53,8 +53,8 @@ DG_HOST_DEVICE constexpr int mega_moe_block_k(MmaType t) { return 128 / activati
 // L2 task width, a kernel variant (template argument kL2BlockN, heuristics: block_n_l2): one 128-wide
 // tile, or 256 / 512 wide for decode tiles (BLOCK_M = 64: a narrow M-block's task is one or two
 // 256-wide tiles, a wide one's two or four 128-wide tiles), or 256 wide for FP8 x FP8 and BF16 prefill
-// tiles (BLOCK_M = 128: one K loop over a 256-row B tile, as L1's gate and up; FP8 x FP4's prefill
-// epilogue lies in its expanded tiles: docs/PERF.md)
+// tiles (BLOCK_M = 128: one K loop over a 256-row B tile, as L1's gate and up; FP8 x FP4's, with the
+// tile expanded as L1's, measured 1.4-2.1 % slower: docs/PERF.md, session 40)
 DG_HOST_DEVICE constexpr bool mega_moe_l2_block_n_ok(MmaType t, int block_m, int block_n_l2) {
     return block_n_l2 == kMegaMoEBlockNL2 or
            ((block_n_l2 == 2 * kMegaMoEBlockNL2 or block_n_l2 == 4 * kMegaMoEBlockNL2) and block_m == 64) or
