@@ -387,6 +387,40 @@ def test_prefill_tiles_at_48_to_64_tokens_per_expert(mma_type, n):
     check_case(mma_type, *MID, [n], seed=61, mask_frac=0.1)
 
 
+# FP8 x FP4 prefill (BLOCK_M 128): a warpgroup whose 64 rows of the M-block are all padding runs no
+# wgmma but expands every B tile with the other (idle_fp4_mainloop, L1 and L2 tasks). mid at n = 2048
+# (128 expected tokens per expert: experts above 128 get a second M-block of a few tokens), with half
+# the slots masked (~64 per expert: about half the M-blocks end at or below 64 rows) on few CTAs (many
+# tasks each), and on two virtual ranks of unequal n
+@pytest.mark.parametrize('ns, seed, routing, sms', [([2048], 71, {}, None), ([2048], 72, {'mask_frac': 0.5}, 16),
+                                                    ([2048, 1600], 73, {'mask_frac': 0.3}, 32)])
+def test_fp4_prefill_idle_warpgroup(ns, seed, routing, sms):
+    hidden, inter, experts, topk = MID
+    smem = _max_smem(torch.device('cuda'))
+    for r, n in enumerate(ns):
+        v = kernel_variant('fp8xfp4', len(ns), experts, topk, hidden, inter, n, sms or _C.get_num_sms() // len(ns), smem,
+                           shares_gpu=len(ns) > 1)
+        assert v[1] == 128, f'rank {r} n = {n}: {v} is not a prefill kernel'
+    check_case('fp8xfp4', *MID, ns, seed, sms=sms, **routing)
+
+
+# FP8 x FP4 prefill tiles (expand_fp4_tile) with deltas whose table rows hold E4M3 subnormals: 1 % of
+# the groups 12-14 exponents below their block's largest (exact; about a quarter of the warps' 8-row
+# groups hold one, the rest do not, in the same tiles: session 41's computed rows for deltas <= 11
+# took that split), then the wide exponent range's clamped deltas (nearly every warp group)
+@pytest.mark.parametrize('options', [dict(low_group_frac=0.01), dict(exponent_range=(100, 128))])
+def test_fp4_prefill_table_rows(options):
+    hidden, inter, experts, topk = MID
+    n = 2048
+    v = kernel_variant('fp8xfp4', 1, experts, topk, hidden, inter, n, _C.get_num_sms(), _max_smem(torch.device('cuda')))
+    assert v[1] == 128, f'{v} is not a prefill kernel'
+    w = mc.make_weights('fp8xfp4', hidden, inter, experts, 1, seed=81, fp4_options=options)
+    for (_, delta, _) in w.per_rank[0]:
+        large = (delta.view(-1, 32) >= 12).any(dim=1).float().mean().item()   # 8 rows x 4 groups: one warp's
+        assert (0.1 < large < 0.5) if 'low_group_frac' in options else large > 0.9, f'{large:.2f} of the warp groups'
+    check_case('fp8xfp4', hidden, inter, experts, topk, [n], seed=82, weights=w)
+
+
 @pytest.mark.parametrize('mma_type', FORMATS)
 def test_masks_skew_and_empty_experts(mma_type):
     check_case(mma_type, *MID, [512], seed=1, mask_frac=0.3)

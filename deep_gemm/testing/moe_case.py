@@ -95,12 +95,18 @@ def make_weights(mma_type: str, hidden: int, intermediate: int, num_experts: int
 
 
 def fp4_weight(num_experts: int, rows: int, cols: int, g: torch.Generator, device, exponent_range=(118, 124),
-               zero_rows: int = 0, max_code_in_every_group: bool = False):
+               zero_rows: int = 0, max_code_in_every_group: bool = False, low_group_frac: float = 0.0):
     """Random MXFP4 weights: every E2M1 code, UE8M0 exponents drawn from `exponent_range` (a narrow
-    range is lossless in the kernel format; a wide one exercises the clamped deltas)."""
+    range is lossless in the kernel format; a wide one exercises the clamped deltas). `low_group_frac`
+    of the groups get an exponent 12-14 below the range's largest (deltas of 12-14 from their block's
+    largest, which is that one in any block of a narrow range: still exact, in E4M3 subnormals)."""
     packed = torch.randint(0, 256, (num_experts, rows, cols // 2), dtype=torch.uint8, device=device, generator=g)
     sf = torch.randint(exponent_range[0], exponent_range[1], (num_experts, rows, cols // 32), dtype=torch.uint8,
                        device=device, generator=g)
+    if low_group_frac:
+        low = torch.rand(sf.shape, device=device, generator=g) < low_group_frac
+        below = torch.randint(12, 15, sf.shape, dtype=torch.uint8, device=device, generator=g)
+        sf = torch.where(low, exponent_range[1] - 1 - below, sf)
     if max_code_in_every_group:   # +6 or -6 as the first element of every 32-wide group
         first = packed[..., ::16]
         packed[..., ::16] = (first & 0xF0) | (0x7 | (first & 0x8))
