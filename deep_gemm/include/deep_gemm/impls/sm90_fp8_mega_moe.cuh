@@ -1654,34 +1654,33 @@ struct Kernel {
         return true;
     }
 
-    // BLOCK_M = 128, BF16 and FP8 x FP8 with 256-wide L2 tasks (kSkipIdleRows): a warpgroup whose 64
+    // BLOCK_M = 128, BF16, FP8 x FP8 with 256-wide L2 tasks and FP8 x FP4 (kSkipIdleRows): a warpgroup whose 64
     // rows of the M-block are all padding (an expert's last M-block of at most 64 tokens) runs no
     // wgmma. It waits for each of the task's stages and releases it (idle_mainloop), so the other
     // warpgroup paces the stages alone, and its epilogue, which would write nothing, only counts the
     // task. The same rows are idle in the M-block's L1 and L2 tasks, so nothing reads what its L1
     // task would have written. Not in the FP8 x FP8 128-wide kernel, whose L1 K-loop it gave a spilled
-    // counter (+2.8 % at mid n = 4096), nor FP8 x FP4 (both warpgroups expand every B tile together:
-    // idle_fp4_mainloop below).
-    static constexpr bool kSkipIdleRows = not kSplitN and (kMmaType == MmaType::kBF16xBF16 or kL2OnePass);
+    // counter (+2.8 % at mid n = 4096).
+    static constexpr bool kSkipIdleRows = not kSplitN and (kMmaType == MmaType::kBF16xBF16 or kL2OnePass or kExpandAhead);
     __device__ static bool idle_rows(const MathThread& mt, int rows) { return mt.row0() >= rows; }
-    // FP8 x FP4 prefill (kExpandAhead): the warpgroup of padding rows runs no wgmma either, but expands
-    // its half of every B tile with the other (expand_fp4_tile's barriers: the same calls in the same
-    // order as l1_mainloop's / l2_mainloop's) and releases each stage after the next one's expansion
-    // (session 41, H100: deepseek-v3 n = 4096 -5.8 %, v4-flash n = 8192 -4.2 %, mid n = 2048 -3.6 %)
+    // FP8 x FP4 prefill (kExpandAhead): the idle warpgroup runs no wgmma either, but expands its half
+    // of every B tile with the other (expand_fp4_tile's barriers: the same calls in the same order as
+    // l1_mainloop's / l2_mainloop's) and releases each stage after the next one's expansion (session
+    // 41, H200: deepseek-v3 n = 4096 -5.4 %, v4-flash n = 8192 -4.4 %, mid n = 2048 -3.4 %)
     template <int kRows>
-    __device__ bool idle_fp4_mainloop(int num_kb, uint32_t& stage_iter, const MathThread& mt) {
-        if (not wait_full(stage_iter)) return false;
-        expand_fp4_tile<kRows>(stage_iter % kNumStages, sm.expanded(stage_iter));
-        for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
-            if (kb + 1 < num_kb) {
-                if (not wait_full(stage_iter + 1)) return false;
-                expand_fp4_tile<kRows>((stage_iter + 1) % kNumStages, sm.expanded(stage_iter + 1));
-            }
-            release_stage(stage_iter, mt);
-        }
-        return true;
-    }
     __device__ bool idle_mainloop(int num_kb, uint32_t& stage_iter, const MathThread& mt) {
+        if constexpr (kExpandAhead) {
+            if (not wait_full(stage_iter)) return false;
+            expand_fp4_tile<kRows>(stage_iter % kNumStages, sm.expanded(stage_iter));
+            for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
+                if (kb + 1 < num_kb) {
+                    if (not wait_full(stage_iter + 1)) return false;
+                    expand_fp4_tile<kRows>((stage_iter + 1) % kNumStages, sm.expanded(stage_iter + 1));
+                }
+                release_stage(stage_iter, mt);
+            }
+            return true;
+        }
         for (int kb = 0; kb < num_kb; ++kb, ++stage_iter) {
             if (not wait_full(stage_iter)) return false;
             release_stage(stage_iter, mt);
@@ -3252,19 +3251,6 @@ struct Kernel {
                     if (not transposed_l1_mainloop<64>(stage_iter, mt, gate, up) or task_stages_dead(stage_iter)) break;
                     log_task(mt, kTaskStampLoopEnd);
                     transposed_l1_epilogue<64>(m, j, rows, mt, gate, up);
-                } else if constexpr (kExpandAhead) {
-                    // FP8 x FP4 prefill: as kSkipIdleRows below, the idle warpgroup expanding with the other
-                    if (not idle_rows(mt, rows)) {
-                        if (not l1_mainloop(m, stage_iter, mt, acc, row_w) or task_stages_dead(stage_iter)) break;
-                        log_task(mt, kTaskStampLoopEnd);
-                        epilogue_tile_free();
-                        l1_epilogue(m, j, rows, mt, acc, row_w);
-                    } else {
-                        if (not idle_fp4_mainloop<kMegaMoEBlockNL1>(lay.hidden / BLOCK_K, stage_iter, mt) or task_stages_dead(stage_iter)) break;
-                        log_task(mt, kTaskStampLoopEnd);
-                        epilogue_tile_free();
-                        if (mt.tid == 0) signal_l1_done(m);   // nothing written: its count only
-                    }
                 } else if constexpr (kSkipIdleRows) {
                     // The wide loop and epilogue of the `else` below, or the idle warpgroup's stage
                     // releases and count. Spelled out twice: the idle test in the `else` branch moved
@@ -3275,8 +3261,9 @@ struct Kernel {
                         epilogue_tile_free();
                         l1_epilogue(m, j, rows, mt, acc, row_w);
                     } else {
-                        if (not idle_mainloop(lay.hidden / BLOCK_K, stage_iter, mt) or task_stages_dead(stage_iter)) break;
+                        if (not idle_mainloop<kMegaMoEBlockNL1>(lay.hidden / BLOCK_K, stage_iter, mt) or task_stages_dead(stage_iter)) break;
                         log_task(mt, kTaskStampLoopEnd);
+                        epilogue_tile_free();
                         if (mt.tid == 0) signal_l1_done(m);   // nothing written: its count only
                     }
                 } else {
@@ -3403,28 +3390,14 @@ struct Kernel {
                         }
                         if (not ok) break;
                     }
-                } else if constexpr (kExpandAhead) {
-                    // FP8 x FP4 prefill (128-wide tasks): as kSkipIdleRows below, the idle warpgroup
-                    // expanding with the other
-                    static_assert(kL2Tiles == 1, "FP8 x FP4 prefill runs 128-wide L2 tasks");
-                    if (not idle_rows(mt, rows)) {
-                        if (not l2_mainloop(stage_iter, mt, acc) or task_stages_dead(stage_iter)) break;
-                        log_task(mt, kTaskStampLoopEnd);
-                        epilogue_tile_free();
-                        l2_epilogue(m, j, rows, mt, acc);
-                    } else {
-                        if (not idle_fp4_mainloop<kMegaMoEBlockNL2>(lay.intermediate_hidden / BLOCK_K, stage_iter, mt) or task_stages_dead(stage_iter)) break;
-                        log_task(mt, kTaskStampLoopEnd);
-                        epilogue_tile_free();
-                        finish_l2_task(mt);   // nothing written: its count only
-                    }
                 } else if constexpr (kSkipIdleRows) {
                     // The idle warpgroup's stage releases and count, or the 128-wide task of the branch
                     // below (spelled out twice, as in the L1 task's), or a 256-wide (kL2OnePass) one: one
                     // K loop, its two tiles' epilogues
                     if (idle_rows(mt, rows)) {
-                        if (not idle_mainloop(lay.intermediate_hidden / BLOCK_K, stage_iter, mt) or task_stages_dead(stage_iter)) break;
+                        if (not idle_mainloop<kMegaMoEBlockNL2>(lay.intermediate_hidden / BLOCK_K, stage_iter, mt) or task_stages_dead(stage_iter)) break;
                         log_task(mt, kTaskStampLoopEnd);
+                        epilogue_tile_free();
                         finish_l2_task(mt);   // nothing written: its count only
                     } else if constexpr (kL2Tiles == 1) {
                         if (not l2_mainloop(stage_iter, mt, acc) or task_stages_dead(stage_iter)) break;
