@@ -388,7 +388,7 @@ def test_prefill_tiles_at_48_to_64_tokens_per_expert(mma_type, n):
 
 
 # FP8 x FP4 prefill (BLOCK_M 128): a warpgroup whose 64 rows of the M-block are all padding runs no
-# wgmma but expands every B tile with the other (idle_fp4_mainloop, L1 and L2 tasks). mid at n = 2048
+# wgmma but expands every B tile with the other (idle_mainloop, L1 and L2 tasks). mid at n = 2048
 # (128 expected tokens per expert: experts above 128 get a second M-block of a few tokens), with half
 # the slots masked (~64 per expert: about half the M-blocks end at or below 64 rows) on few CTAs (many
 # tasks each), and on two virtual ranks of unequal n
