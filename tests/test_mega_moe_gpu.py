@@ -187,6 +187,15 @@ L2_512_CASES = [   # (shape, ns, seed, routing, sms)
 ]
 
 
+def picked_variants(mma_type, shape, ns, sms=None):
+    """The kernel variant the launcher picks for each rank of `ns` as check_case runs them: `sms` CTAs
+    a rank (default the GPU's SMs / ranks), virtual ranks sharing the GPU."""
+    hidden, inter, experts, topk = shape
+    smem = _max_smem(torch.device('cuda'))
+    return [kernel_variant(mma_type, len(ns), experts, topk, hidden, inter, n, sms or _C.get_num_sms() // len(ns), smem,
+                           shares_gpu=len(ns) > 1) for n in ns]
+
+
 # FP8 x FP8 and BF16 prefill with 256-wide L2 tasks (BLOCK_M 128, one K loop over a 256-row B tile):
 # the heuristic picks it for BF16 at every prefill call and for FP8 from 12 expected tasks per SM
 # (mid n >= 4096 on 132 SMs), here reached with fewer CTAs: mid at n = 2048 (1024 tasks) on 32 CTAs, with masks, with a hot expert (its M-blocks
@@ -200,11 +209,8 @@ PREFILL_L2_256_CASES = [   # (ns, seed, routing, CTAs per rank)
 @pytest.mark.parametrize('mma_type', ['fp8xfp8', 'bf16xbf16'])
 @pytest.mark.parametrize('ns, seed, routing, sms', PREFILL_L2_256_CASES)
 def test_prefill_256_wide_l2(ns, seed, routing, sms, mma_type):
-    hidden, inter, experts, topk = MID
-    smem = _max_smem(torch.device('cuda'))
-    w = weights_for(mma_type, hidden, inter, experts, len(ns))
-    for r, n in enumerate(ns):
-        v = kernel_variant(mma_type, len(ns), experts, topk, hidden, inter, n, sms, smem, shares_gpu=len(ns) > 1)
+    w = weights_for(mma_type, *MID[:3], len(ns))
+    for r, (n, v) in enumerate(zip(ns, picked_variants(mma_type, MID, ns, sms))):
         assert (v[1], v[4]) == (128, 256), f'rank {r} n = {n}: {v} is not the 256-wide prefill kernel'
     check_case(mma_type, *MID, ns, seed, weights=w, sms=sms, **routing)
 
@@ -225,12 +231,9 @@ def test_l2_tasks_512_wide(mma_type):
         found = re.search(rf'{mma_type} (\S+)', re.search(r'worst calc_diff per format: (.*)', run.stdout).group(1))
         record_diff(mma_type, float(found.group(1).rstrip(',')))
         return
-    smem = _max_smem(torch.device('cuda'))
     for (hidden, inter, experts, topk), ns, seed, routing, sms in L2_512_CASES:
         w = weights_for(mma_type, hidden, inter, experts, len(ns))
-        for r, n in enumerate(ns):
-            v = kernel_variant(mma_type, len(ns), experts, topk, hidden, inter, n, sms or _C.get_num_sms() // len(ns), smem,
-                               shares_gpu=len(ns) > 1)
+        for r, (n, v) in enumerate(zip(ns, picked_variants(mma_type, (hidden, inter, experts, topk), ns, sms))):
             assert v[1] == 128 or v[4] == 512, f'rank {r} n = {n}: {v} is not the 512-wide kernel'
         check_case(mma_type, hidden, inter, experts, topk, ns, seed, weights=w, sms=sms, **routing)
 
@@ -381,8 +384,7 @@ def test_prefill_combine_many_topk(mma_type):
 # than 64 tokens (two M-blocks of 64 before) and others few (a warpgroup of padding rows)
 @pytest.mark.parametrize('mma_type, n', [('fp8xfp8', 1024), ('bf16xbf16', 1024), ('bf16xbf16', 768)])
 def test_prefill_tiles_at_48_to_64_tokens_per_expert(mma_type, n):
-    hidden, inter, experts, topk = MID
-    v = kernel_variant(mma_type, 1, experts, topk, hidden, inter, n, _C.get_num_sms(), _max_smem(torch.device('cuda')))
+    v = picked_variants(mma_type, MID, [n])[0]
     assert v[1] == 128, f'{v}: the case no longer covers what it says'
     check_case(mma_type, *MID, [n], seed=61, mask_frac=0.1)
 
@@ -395,11 +397,7 @@ def test_prefill_tiles_at_48_to_64_tokens_per_expert(mma_type, n):
 @pytest.mark.parametrize('ns, seed, routing, sms', [([2048], 71, {}, None), ([2048], 72, {'mask_frac': 0.5}, 16),
                                                     ([2048, 1600], 73, {'mask_frac': 0.3}, 32)])
 def test_fp4_prefill_idle_warpgroup(ns, seed, routing, sms):
-    hidden, inter, experts, topk = MID
-    smem = _max_smem(torch.device('cuda'))
-    for r, n in enumerate(ns):
-        v = kernel_variant('fp8xfp4', len(ns), experts, topk, hidden, inter, n, sms or _C.get_num_sms() // len(ns), smem,
-                           shares_gpu=len(ns) > 1)
+    for r, (n, v) in enumerate(zip(ns, picked_variants('fp8xfp4', MID, ns, sms))):
         assert v[1] == 128, f'rank {r} n = {n}: {v} is not a prefill kernel'
     check_case('fp8xfp4', *MID, ns, seed, sms=sms, **routing)
 
@@ -412,7 +410,7 @@ def test_fp4_prefill_idle_warpgroup(ns, seed, routing, sms):
 def test_fp4_prefill_table_rows(options):
     hidden, inter, experts, topk = MID
     n = 2048
-    v = kernel_variant('fp8xfp4', 1, experts, topk, hidden, inter, n, _C.get_num_sms(), _max_smem(torch.device('cuda')))
+    v = picked_variants('fp8xfp4', MID, [n])[0]
     assert v[1] == 128, f'{v} is not a prefill kernel'
     w = mc.make_weights('fp8xfp4', hidden, inter, experts, 1, seed=81, fp4_options=options)
     for (_, delta, _) in w.per_rank[0]:
