@@ -93,6 +93,15 @@ def record_diff(mma_type: str, diff: float) -> None:
     WORST_DIFF[mma_type] = max(WORST_DIFF.get(mma_type, 0.0), diff)
 
 
+def pytest_configure(config):
+    # `-k <format>` selects that format's GPU tests (a device call that runs one format's tests relies
+    # on it): a test whose id does not name its format carries it as a marker, `@pytest.mark.fp8xfp4`
+    # (tests/test_scripts_cpu.py checks that every GPU test is selected so)
+    from deep_gemm import MMA_TYPES
+    for mma_type in MMA_TYPES:
+        config.addinivalue_line('markers', f'{mma_type}: a GPU test of the {mma_type} format whose id does not name it')
+
+
 def pytest_terminal_summary(terminalreporter):
     if WORST_DIFF:
         terminalreporter.write_line('worst calc_diff per format: ' +

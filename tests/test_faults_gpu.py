@@ -103,6 +103,7 @@ def test_bad_expert_ids_are_flagged_never_used(mma_type, bad_id, n):
 # is the order of the count's atomics). y must then be the MoE of the routing the kernel left.
 # n = 128: one count CTA; n = 1024: count slices on several CTAs, slots reserved across them.
 @pytest.mark.parametrize('n', [128, 1024])
+@pytest.mark.fp8xfp8
 def test_duplicate_expert_overflow_is_cut_flagged_and_masked(n):
     mma_type = 'fp8xfp8'
     hidden, inter, experts, topk = SMALL
@@ -137,6 +138,7 @@ extern "C" __global__ void spin(unsigned long long duration_ns) {
 '''
 
 
+@pytest.mark.fp8xfp8
 def test_completes_while_another_stream_holds_half_the_sms():
     mma_type = 'fp8xfp8'
     hidden, inter, experts, topk = 2048, 768, 128, 8
@@ -275,6 +277,7 @@ def test_ten_thousand_calls_random_n_routing_masks_and_ranks(mma_type):
             b.check()
 
 
+@pytest.mark.fp8xfp8
 def test_corrupted_receive_count_is_an_error_not_a_wild_write(short_timeout):
     # Rank 1 is never launched; instead its "published" count for a local expert of rank 0 is
     # forged: tagged with the right epoch but larger than any rank can send.

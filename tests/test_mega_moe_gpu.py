@@ -35,7 +35,7 @@ sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0
 pytestmark = pytest.mark.skipif(not sm90, reason='needs an SM90 (Hopper) GPU')
 
 TOL = ep_check.TOLERANCE   # {'fp8xfp8': 3e-4, 'fp8xfp4': 3e-4, 'bf16xbf16': 2e-6}, derived in this file's docstring
-FORMATS = ['fp8xfp8', 'fp8xfp4', 'bf16xbf16']
+FORMATS = list(deep_gemm.MMA_TYPES)
 ENTRY = {'fp8xfp8': deep_gemm.fp8_mega_moe, 'fp8xfp4': deep_gemm.fp8_fp4_mega_moe, 'bf16xbf16': deep_gemm.bf16_mega_moe}
 _weights_cache = {}
 
@@ -127,6 +127,7 @@ def test_odd_k_block_counts_split_k_and_256_wide_l2(mma_type, n):
 # tokens (20 experts), so that its L2 tasks of every N run (each one 256-row pass over two M tiles
 # a warpgroup) next to narrow ones
 @pytest.mark.parametrize('seed, experts_allowed', [(31, None), (32, 40), (33, 20)])
+@pytest.mark.fp8xfp4
 def test_fp4_transposed_tiles_256_wide_l2(seed, experts_allowed):
     hidden, inter, experts, topk = MID
     v = kernel_variant('fp8xfp4', 1, experts, topk, hidden, inter, 128, _C.get_num_sms(), _max_smem(torch.device('cuda')))
@@ -139,6 +140,7 @@ def test_fp4_transposed_tiles_256_wide_l2(seed, experts_allowed):
 # the same three routings as above, through scripts/one_launch.py (its own reference check, 3e-4,
 # and the buffer's error word), on the whole grid
 @pytest.mark.parametrize('experts_allowed', [None, 40, 20])
+@pytest.mark.fp8xfp4
 def test_fp4_transposed_tiles_wide_n_32(experts_allowed):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, os.path.join(root, 'scripts', 'one_launch.py'), '--shape', 'mid', '--tokens', '128',
@@ -245,6 +247,7 @@ def test_l2_tasks_512_wide(mma_type):
 @pytest.mark.parametrize('args', [('--tokens', '8', '--sms', '8'), ('--tokens', '8', '--ranks', '2', '--sms', '16'),
                                   ('--tokens', '48', '--ranks', '4', '--sms', '8'),
                                   ('--shape', 'mid', '--tokens', '128', '--sms', 'all')], ids=['narrow', 'ep2', 'wide-ep4', 'mid'])
+@pytest.mark.fp8xfp4
 def test_fp4_signals_thread(args):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     args = tuple(str(_C.get_num_sms()) if a == 'all' else a for a in args)
@@ -297,6 +300,7 @@ def test_fp4_signals_thread(args):
 ], ids=['narrow', 'two-passes', 'eight-passes', 'w16-n16', 'w16-n32-passes', 'w32', 'ep2', 'wide-ep4', 'wide-ep4-w64',
         'l2-512', 'l2-512-w64', 'no-signals', 'mid', 'mid-w64', 'back-to-back', 'heuristic', 'heuristic-passes',
         'mid-w16-calls'])
+@pytest.mark.fp8xfp4
 def test_fp4_cta_pair(args, env, wide):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     args = tuple(str(_C.get_num_sms()) if a == 'all' else a for a in args)
@@ -319,6 +323,7 @@ def test_fp4_cta_pair(args, env, wide):
 # The pair with N = 16 / 32 tiles is the heuristic's pick only on H200-class HBM (>= 4000 GB/s peak:
 # measured slower on an H100, docs/PERF.md session 35): the launcher's choice at v4-flash n = 512
 # (12 tokens per expert) follows this device's bandwidth, which must read as a Hopper part's
+@pytest.mark.fp8xfp4
 def test_cta_pair_pick_follows_the_device():
     info = _C.get_device_info()
     assert 2000 <= info['hbm_gbps'] <= 6000, info   # H100 PCIe 2039, SXM 3352, H200 4917
@@ -333,6 +338,7 @@ def test_cta_pair_pick_follows_the_device():
 # L1 task per tile), each with its steps in order. --tasks also stamps K-blocks of each CTA's last L1
 # task; --tasks-light (DG_MEGA_MOE_TASK_LOG=2) keeps the per-task stamps only.
 @pytest.mark.parametrize('flag', ['--tasks', '--tasks-light'])
+@pytest.mark.fp8xfp8
 def test_trace_task_log_on_the_gpu(flag):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     hidden, inter, experts, topk, n = 512, 256, 16, 4, 7
@@ -396,6 +402,7 @@ def test_prefill_tiles_at_48_to_64_tokens_per_expert(mma_type, n):
 # tasks each), and on two virtual ranks of unequal n
 @pytest.mark.parametrize('ns, seed, routing, sms', [([2048], 71, {}, None), ([2048], 72, {'mask_frac': 0.5}, 16),
                                                     ([2048, 1600], 73, {'mask_frac': 0.3}, 32)])
+@pytest.mark.fp8xfp4
 def test_fp4_prefill_idle_warpgroup(ns, seed, routing, sms):
     for r, (n, v) in enumerate(zip(ns, picked_variants('fp8xfp4', MID, ns, sms))):
         assert v[1] == 128, f'rank {r} n = {n}: {v} is not a prefill kernel'
@@ -407,6 +414,7 @@ def test_fp4_prefill_idle_warpgroup(ns, seed, routing, sms):
 # groups hold one, the rest do not, in the same tiles: session 41's computed rows for deltas <= 11
 # took that split), then the wide exponent range's clamped deltas (nearly every warp group)
 @pytest.mark.parametrize('options', [dict(low_group_frac=0.01), dict(exponent_range=(100, 128))])
+@pytest.mark.fp8xfp4
 def test_fp4_prefill_table_rows(options):
     hidden, inter, experts, topk = MID
     n = 2048
@@ -507,6 +515,7 @@ def test_cuda_graph_replay(mma_type, n):
 # heuristic picks it: mid at 16-64 tokens, FP8 x FP4): back-to-back calls on one buffer with changing
 # n (1-80: the pair and, at 1-15 tokens, the two-warpgroup kernel in turn), masks, every 20th call
 # against the reference; the same inputs twice give bitwise identical y; the stats count every call
+@pytest.mark.fp8xfp4
 def test_fp4_cta_pair_back_to_back_and_repeatable():
     mma_type, (hidden, inter, experts, topk) = 'fp8xfp4', MID
     w = weights_for(mma_type, hidden, inter, experts, 1)
@@ -542,6 +551,7 @@ def test_fp4_cta_pair_back_to_back_and_repeatable():
     dict(zero_rows=40),                                  # rows that are all zero
     dict(max_code_in_every_group=True),                  # the largest E2M1 magnitude in every group
 ])
+@pytest.mark.fp8xfp4
 def test_fp4_awkward_weights(options):
     hidden, inter, experts, topk = MID
     w = mc.make_weights('fp8xfp4', hidden, inter, experts, 2, seed=21, fp4_options=options)

@@ -20,6 +20,7 @@ import time
 import pytest
 import torch
 
+import deep_gemm
 from deep_gemm.testing import ep_check, multi_process
 
 from conftest import record_diff, sm90_gpu_available
@@ -35,7 +36,7 @@ def _num_sm90_gpus() -> int:
 NUM_GPUS = _num_sm90_gpus()
 pytestmark = pytest.mark.skipif(NUM_GPUS < 2, reason='needs at least 2 SM90 (Hopper) GPUs')
 
-FORMATS = ['fp8xfp8', 'fp8xfp4', 'bf16xbf16']   # a format not built yet skips (fp8xfp4: issue 4)
+FORMATS = list(deep_gemm.MMA_TYPES)
 SHAPES = ['small', 'mid']
 NUM_CALLS = int(os.environ.get('DG_TEST_EP_CALLS', str(ep_check.DEFAULT_NUM_CALLS)))
 SEED = 0
@@ -92,6 +93,7 @@ def test_ep_on_real_gpus(world_size, mma_type, shape):
     assert 0 in ns and len(set(ns)) == world_size
 
 
+@pytest.mark.bf16xbf16
 def test_ep_bench_two_processes():
     # The --ep benchmark's plumbing on 2 GPUs (fused in a CUDA graph, all_to_all baseline, NVLink bytes)
     from deep_gemm import bench
