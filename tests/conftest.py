@@ -97,7 +97,7 @@ def pytest_configure(config):
     # `-k <format>` selects that format's GPU tests (a device call that runs one format's tests relies
     # on it): a test whose id does not name its format carries it as a marker, `@pytest.mark.fp8xfp4`
     # (tests/test_scripts_cpu.py checks that every GPU test is selected so)
-    from deep_gemm import MMA_TYPES
+    from deep_gemm.testing import MMA_TYPES
     for mma_type in MMA_TYPES:
         config.addinivalue_line('markers', f'{mma_type}: a GPU test of the {mma_type} format whose id does not name it')
 

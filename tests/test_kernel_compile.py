@@ -17,12 +17,12 @@ import pytest
 
 from deep_gemm import _C
 from deep_gemm.mega.buffer import mma_type_to_int
+from deep_gemm.testing import MMA_TYPES as FORMATS
 
 from conftest import cuobjdump_path
 
 H200_SMEM = 232448
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FORMATS = ('fp8xfp8', 'fp8xfp4', 'bf16xbf16')
 
 
 def l2_widths(fmt, block_m):

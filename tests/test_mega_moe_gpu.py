@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import deep_gemm
-from deep_gemm.testing import calc_diff
+from deep_gemm.testing import MMA_TYPES, calc_diff
 from deep_gemm import _C
 from deep_gemm.mega.launch import _max_smem, kernel_variant
 from deep_gemm.testing import ep_check, moe_case as mc
@@ -35,7 +35,7 @@ sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0
 pytestmark = pytest.mark.skipif(not sm90, reason='needs an SM90 (Hopper) GPU')
 
 TOL = ep_check.TOLERANCE   # {'fp8xfp8': 3e-4, 'fp8xfp4': 3e-4, 'bf16xbf16': 2e-6}, derived in this file's docstring
-FORMATS = list(deep_gemm.MMA_TYPES)
+FORMATS = list(MMA_TYPES)
 ENTRY = {'fp8xfp8': deep_gemm.fp8_mega_moe, 'fp8xfp4': deep_gemm.fp8_fp4_mega_moe, 'bf16xbf16': deep_gemm.bf16_mega_moe}
 _weights_cache = {}
 

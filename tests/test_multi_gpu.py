@@ -20,8 +20,7 @@ import time
 import pytest
 import torch
 
-import deep_gemm
-from deep_gemm.testing import ep_check, multi_process
+from deep_gemm.testing import MMA_TYPES, ep_check, multi_process
 
 from conftest import record_diff, sm90_gpu_available
 
@@ -36,7 +35,7 @@ def _num_sm90_gpus() -> int:
 NUM_GPUS = _num_sm90_gpus()
 pytestmark = pytest.mark.skipif(NUM_GPUS < 2, reason='needs at least 2 SM90 (Hopper) GPUs')
 
-FORMATS = list(deep_gemm.MMA_TYPES)
+FORMATS = list(MMA_TYPES)
 SHAPES = ['small', 'mid']
 NUM_CALLS = int(os.environ.get('DG_TEST_EP_CALLS', str(ep_check.DEFAULT_NUM_CALLS)))
 SEED = 0

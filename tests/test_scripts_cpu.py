@@ -234,7 +234,7 @@ def test_every_gpu_test_is_selected_by_its_format():
     # A device call that runs one format's GPU tests selects them with `-k <format>`; a test whose id
     # does not name its format carries it as a marker (tests/conftest.py), else such a call leaves
     # it out without a word (session 41's line `-k fp8xfp4` missed the FP8 x FP4 prefill tests)
-    from deep_gemm import MMA_TYPES
+    from deep_gemm.testing import MMA_TYPES
     files = [os.path.join('tests', f) for f in ('test_mega_moe_gpu.py', 'test_faults_gpu.py', 'test_multi_gpu.py')]
 
     def collected(*select):
