@@ -24,8 +24,12 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
+# AB_TESTS and AB_TREE_TESTS are read as shell words, quotes kept: AB_TESTS="tests/x.py -k 'fp8xfp4 and
+# prefill'" passes the -k expression as one argument (plain word splitting cut it at its spaces)
+eval "ab_tests=(${AB_TESTS:-tests/test_layout.py})"
+eval "tree_tests=(${AB_TREE_TESTS:-})"
 # AB_TESTS_ENV="DG_X=1+DG_Y=2": run $AB_TESTS under those variables (an AB_ENVS variant's own tests)
-env ${AB_TESTS_ENV:+${AB_TESTS_ENV//+/ }} bash scripts/device_run.sh ${AB_TESTS:-tests/test_layout.py} | tail -3
+env ${AB_TESTS_ENV:+${AB_TESTS_ENV//+/ }} bash scripts/device_run.sh "${ab_tests[@]}" | tail -3
 export DG_JIT_CACHE_DIR=$PWD/.jit_cache
 source scripts/device_compiler.sh
 VARIANTS=""
@@ -42,7 +46,7 @@ for v in ab/*/; do
     (cd "$d" && PYTHONPATH=/tmp/site python3 setup.py build_ext --inplace -q --force > build.log 2>&1) || { echo "build of $v failed"; tail -20 "$d/build.log"; }
     if [ -n "${AB_TREE_TESTS:-}" ]; then
         echo "=== $v: pytest $AB_TREE_TESTS" | tee -a "$OUT/tree_tests.log"
-        (cd "$d" && PYTHONPATH=/tmp/site:$d timeout 300 python3 -m pytest -q -x -p no:cacheprovider $AB_TREE_TESTS 2>&1) \
+        (cd "$d" && PYTHONPATH=/tmp/site:$d timeout 300 python3 -m pytest -q -x -p no:cacheprovider "${tree_tests[@]}" 2>&1) \
             | tee -a "$OUT/tree_tests.log" | tail -4
     fi
     VARIANTS="$VARIANTS $d"
