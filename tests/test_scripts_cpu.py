@@ -249,3 +249,25 @@ def test_every_gpu_test_is_selected_by_its_format():
     assert set().union(*by_format.values()) == every, sorted(every - set().union(*by_format.values()))
     # the FP8 x FP4 prefill tests among them (their ids name no format)
     assert any('test_fp4_prefill_idle_warpgroup' in t for t in by_format['fp8xfp4'])
+
+
+def test_ab_run_passes_a_quoted_k_expression_as_one_argument(tmp_path):
+    """scripts/ab_run.sh reads AB_TESTS as shell words: a quoted `-k` expression with spaces reaches
+    the test run as one argument (plain word splitting cut it at its spaces, so pytest took `and` and
+    the rest as paths). Run in a copy with the device script, the compiler set-up and python3 stubbed."""
+    work = tmp_path / 'repo'
+    (work / 'scripts').mkdir(parents=True)
+    (work / 'bin').mkdir()
+    with open(os.path.join(SCRIPTS, 'ab_run.sh')) as f:
+        (work / 'scripts' / 'ab_run.sh').write_text(f.read())
+    (work / 'scripts' / 'device_run.sh').write_text('for a in "$@"; do echo "$a"; done > "$OUT/args"\n')
+    (work / 'scripts' / 'device_compiler.sh').write_text('true\n')
+    (work / 'bin' / 'python3').write_text('#!/bin/sh\nexit 0\n')
+    (work / 'bin' / 'python3').chmod(0o755)
+    out = tmp_path / 'out'
+    env = dict(os.environ, OUT=str(out), PATH=f'{work / "bin"}{os.pathsep}{os.environ["PATH"]}',
+               AB_TESTS="tests/test_mega_moe_gpu.py -k 'fp8xfp4 and (prefill or big_shape)' -x")
+    run = subprocess.run(['bash', 'scripts/ab_run.sh', 'fp8xfp4', '2048', '768', '128', '8', '1'], cwd=work, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert (out / 'args').read_text().splitlines() == ['tests/test_mega_moe_gpu.py', '-k', 'fp8xfp4 and (prefill or big_shape)', '-x']
