@@ -12,7 +12,10 @@ the working tree and every ab/ variant (ab/<name>.cuh as prepared in /tmp/ab_<na
 scripts/ab_prebuild.sh, ab/<name>/ trees as they are), the kernel each `--case` launches at EP1 on
 an H200 and on an H100 (the heuristics read the GPU's HBM bandwidth). A kernel missing from SRC is
 an error (its tree was not prebuilt; the lookup compiles it into SRC on the way, so a second run
-finds it). Then move DST to .jit_cache and carry it.
+finds it), unless --compile: then it is compiled into SRC and copied in the same run (an A/B of
+a few cases needs only their kernels per variant: `bash scripts/ab_prebuild.sh --trees-only`
+prepares the variants' trees without prebuilding every variant of every format). Then move DST to
+.jit_cache and carry it.
 """
 import argparse
 import glob
@@ -47,7 +50,7 @@ if req['helpers'] and os.path.isfile(os.path.join('tests', 'test_faults_gpu.py')
     sys.path.insert(0, 'tests')
     import test_faults_gpu
     dirs += [test_faults_gpu.compile_helper(name) for name in test_faults_gpu.HELPER_KERNELS]
-if _C.get_num_nvcc_invocations() != before:
+if _C.get_num_nvcc_invocations() != before and not req['compile']:
     sys.exit('kernels missing from the cache (compiled now): prebuild this tree first')
 print(json.dumps(dirs))
 '''
@@ -83,6 +86,8 @@ def main(argv=None):
                         help="the working tree's prebuilt variants of these formats (the GPU tests)")
     parser.add_argument('--case', nargs=6, action='append', default=[], metavar=('FMT', 'H', 'I', 'E', 'K', 'N'),
                         help='a timed case: its kernels in every tree')
+    parser.add_argument('--compile', action='store_true',
+                        help='compile kernels missing from SRC into it (else missing ones are an error)')
     args = parser.parse_args(argv)
     if os.path.exists(args.dst):
         parser.error(f'{args.dst} exists')
@@ -97,7 +102,8 @@ def main(argv=None):
     for label, tree in trees():
         main_tree = tree == ROOT
         request = {'keys': keys if main_tree else [], 'cases': cases, 'gpus': GPUS,
-                   'stages': [True, False] if main_tree else [], 'helpers': main_tree and bool(args.all)}
+                   'stages': [True, False] if main_tree else [], 'helpers': main_tree and bool(args.all),
+                   'compile': args.compile}
         dirs = lookup(tree, args.src, request)
         print(f'{label}: {len(dirs)} kernels')
         for d in dirs:

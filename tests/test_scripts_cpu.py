@@ -230,6 +230,21 @@ def test_carry_cache_copies_what_a_case_needs(tmp_path, requires_nvcc):
     assert os.path.isdir(src / 'cache' / kernel[0])
 
 
+def test_carry_cache_compile_copies_a_missing_kernel_in_one_run(tmp_path, requires_nvcc):
+    """scripts/carry_cache.py --compile: from an empty cache one run compiles the case's kernel into
+    it and copies it (what an A/B of a few cases needs after `ab_prebuild.sh --trees-only`)."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get('PYTHONPATH', ''))
+    src, dst = tmp_path / 'src', tmp_path / 'dst'
+    out = subprocess.run([sys.executable, os.path.join(SCRIPTS, 'carry_cache.py'), str(src), str(dst), '--compile',
+                          '--case', 'bf16xbf16', '2048', '768', '128', '8', '4096'],
+                         capture_output=True, text=True, env=env, timeout=900)
+    assert out.returncode == 0, out.stderr
+    names = sorted(os.listdir(dst / 'cache'))
+    kernel = [n for n in names if n.startswith('sm90_mega_moe_bf16xbf16_m128_')]
+    assert len(names) == 3 and len(kernel) == 1, names
+    assert os.path.isfile(dst / 'cache' / kernel[0] / 'kernel.cubin') and os.path.isdir(src / 'cache' / kernel[0])
+
+
 def test_every_gpu_test_is_selected_by_its_format():
     # A device call that runs one format's GPU tests selects them with `-k <format>`; a test whose id
     # does not name its format carries it as a marker (tests/conftest.py), else such a call leaves
