@@ -209,19 +209,16 @@ def test_pair_wide_device_script_kernels_are_prebuilt():
             assert k['cta_pair'] == bool(pair) and k['wide_n_min'] == 16, (cases[c:c + 6], pair, k)
 
 
-def test_carry_cache_copies_what_a_case_needs(tmp_path, requires_nvcc):
-    """scripts/carry_cache.py: from a cache without the case's kernel it stops (prebuild first), then,
-    the kernel now in that cache, it copies exactly the case's kernel (the same one on an H200 and an
-    H100 for this prefill case) and the two staging kernels."""
+def _carry_cache(src, dst, *flags):
+    """scripts/carry_cache.py SRC DST for one BF16 prefill case (the same kernel on an H200 and an H100)."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get('PYTHONPATH', ''))
-    src, dst = tmp_path / 'src', tmp_path / 'dst'
-    cmd = [sys.executable, os.path.join(SCRIPTS, 'carry_cache.py'), str(src), str(dst),
-           '--case', 'bf16xbf16', '2048', '768', '128', '8', '4096']
-    first = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
-    assert first.returncode != 0 and 'prebuild' in first.stderr, first.stderr
-    assert not dst.exists()
-    second = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
-    assert second.returncode == 0, second.stderr
+    return subprocess.run([sys.executable, os.path.join(SCRIPTS, 'carry_cache.py'), str(src), str(dst), *flags,
+                           '--case', 'bf16xbf16', '2048', '768', '128', '8', '4096'],
+                          capture_output=True, text=True, env=env, timeout=900)
+
+
+def _assert_carried_the_case(src, dst):
+    """DST holds exactly the case's kernel (a cubin, also in SRC) and the two staging kernels."""
     names = sorted(os.listdir(dst / 'cache'))
     assert len(names) == 3, names
     assert sum(n.startswith('mega_moe_stage_') for n in names) == 2, names
@@ -230,19 +227,25 @@ def test_carry_cache_copies_what_a_case_needs(tmp_path, requires_nvcc):
     assert os.path.isdir(src / 'cache' / kernel[0])
 
 
+def test_carry_cache_copies_what_a_case_needs(tmp_path, requires_nvcc):
+    """scripts/carry_cache.py: from a cache without the case's kernel it stops (prebuild first), then,
+    the kernel now in that cache, it copies exactly the case's kernel and the two staging kernels."""
+    src, dst = tmp_path / 'src', tmp_path / 'dst'
+    first = _carry_cache(src, dst)
+    assert first.returncode != 0 and 'prebuild' in first.stderr, first.stderr
+    assert not dst.exists()
+    second = _carry_cache(src, dst)
+    assert second.returncode == 0, second.stderr
+    _assert_carried_the_case(src, dst)
+
+
 def test_carry_cache_compile_copies_a_missing_kernel_in_one_run(tmp_path, requires_nvcc):
     """scripts/carry_cache.py --compile: from an empty cache one run compiles the case's kernel into
     it and copies it (what an A/B of a few cases needs after `ab_prebuild.sh --trees-only`)."""
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get('PYTHONPATH', ''))
     src, dst = tmp_path / 'src', tmp_path / 'dst'
-    out = subprocess.run([sys.executable, os.path.join(SCRIPTS, 'carry_cache.py'), str(src), str(dst), '--compile',
-                          '--case', 'bf16xbf16', '2048', '768', '128', '8', '4096'],
-                         capture_output=True, text=True, env=env, timeout=900)
+    out = _carry_cache(src, dst, '--compile')
     assert out.returncode == 0, out.stderr
-    names = sorted(os.listdir(dst / 'cache'))
-    kernel = [n for n in names if n.startswith('sm90_mega_moe_bf16xbf16_m128_')]
-    assert len(names) == 3 and len(kernel) == 1, names
-    assert os.path.isfile(dst / 'cache' / kernel[0] / 'kernel.cubin') and os.path.isdir(src / 'cache' / kernel[0])
+    _assert_carried_the_case(src, dst)
 
 
 def test_every_gpu_test_is_selected_by_its_format():
