@@ -12,6 +12,7 @@ kernel that does nothing (graph launch, event pair, the first kernel after the f
 --flush read / none: a diagnostic flush that leaves L2 clean (bench_utils.L2Flusher) / no flush.
 """
 import argparse
+import gc
 import os
 
 import torch
@@ -61,7 +62,10 @@ def main() -> None:
         buf.check()
         scope = ' (sys scope)' if args.sys_scope else ''
         print(f'{tag}{scope}: {fmt} {h}/{i}/{e}/{k} n={n}: {us:.1f} us', flush=True)
-        del w, buf, inputs, y, graph
+        # l1/l2 hold the case's weights too: without them in the del, an H100 (80 GB) keeps the 7168-wide
+        # case's 11 GB of weights while the next case draws its own (OOM at the second such case)
+        del w, l1, l2, buf, inputs, y, graph
+        gc.collect()
         torch.cuda.empty_cache()
 
 
