@@ -56,15 +56,15 @@ print(json.dumps(dirs))
 '''
 
 
-def trees():
-    """(label, directory) of the working tree and every ab/ variant."""
+def trees(ab_dir):
+    """(label, directory) of the working tree and every variant in ab_dir (the repository's ab/)."""
     out = [('working tree', ROOT)]
-    for v in sorted(glob.glob(os.path.join(ROOT, 'ab', '*.cuh'))):
+    for v in sorted(glob.glob(os.path.join(ab_dir, '*.cuh'))):
         d = os.path.join('/tmp', 'ab_' + os.path.basename(v)[:-len('.cuh')])
         if not os.path.isdir(d):
             sys.exit(f'{v}: {d} is missing (run scripts/ab_prebuild.sh first)')
         out.append((v, d))
-    for v in sorted(glob.glob(os.path.join(ROOT, 'ab', '*', 'setup.py'))):
+    for v in sorted(glob.glob(os.path.join(ab_dir, '*', 'setup.py'))):
         out.append((os.path.dirname(v), os.path.dirname(v)))
     return out
 
@@ -88,6 +88,9 @@ def main(argv=None):
                         help='a timed case: its kernels in every tree')
     parser.add_argument('--compile', action='store_true',
                         help='compile kernels missing from SRC into it (else missing ones are an error)')
+    parser.add_argument('--ab-dir', default=os.path.join(ROOT, 'ab'),
+                        help="where the A/B variants are (default: the repository's ab/; an empty or missing "
+                             'directory: the working tree only)')
     args = parser.parse_args(argv)
     if os.path.exists(args.dst):
         parser.error(f'{args.dst} exists')
@@ -99,7 +102,7 @@ def main(argv=None):
         import prebuild_kernels   # noqa: E402 (the working tree's variant list)
         keys = [list(k) for k in prebuild_kernels.variants(tuple(args.all))]
     entries = {}
-    for label, tree in trees():
+    for label, tree in trees(args.ab_dir):
         main_tree = tree == ROOT
         request = {'keys': keys if main_tree else [], 'cases': cases, 'gpus': GPUS,
                    'stages': [True, False] if main_tree else [], 'helpers': main_tree and bool(args.all),
