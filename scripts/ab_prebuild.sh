@@ -12,10 +12,10 @@ if [ "${1:-}" = --trees-only ]; then TREES_ONLY=1; shift; fi
 prebuild() {   # package dir, label, formats...: with that tree's own prebuild script when it has one
     # (a branch may add kernel variants the working tree's script does not know), else the working tree's
     local d=$1 label=$2; shift 2
+    [ "$TREES_ONLY" = 1 ] && { echo "$label: tree prepared"; return 0; }
     local script=scripts/prebuild_kernels.py
     [ -f "$d"/scripts/prebuild_kernels.py ] && script="$d"/scripts/prebuild_kernels.py
     grep -v '^sys.path.insert' "$script" > "$d"/prebuild.py
-    [ "$TREES_ONLY" = 1 ] && { echo "$label: tree prepared"; return 0; }
     echo "$label: $(DG_JIT_CACHE_DIR=$PWD/.jit_cache PYTHONPATH=$d python "$d"/prebuild.py "$@" | grep -c -- '->') kernels"
 }
 for v in ab/*.cuh; do
