@@ -146,11 +146,19 @@ __device__ __forceinline__ bool bounded_wait(const MegaMoEParams& p, SharedContr
 }
 
 // fast: MUFU exp2 + approximate division (~2 ulp, far below the FP8 step); exact: IEEE expf and
-// division, whose slow paths are subroutine calls (a separate kernel variant, so the fast one stays lean)
+// division, whose slow paths are subroutine calls (a separate kernel variant, so the fast one stays lean).
+// The exp2 flushes subnormals (`.ftz`): __expf's non-ftz form wraps each MUFU.EX2 in three
+// instructions (a compare, a halving, a squaring) that keep results below 2^-126 subnormal, and
+// 1 + e rounds every such e to 1 all the same, so silu's value is unchanged
 template <bool kFastMath>
 __device__ __forceinline__ float silu(float g) {
-    if constexpr (kFastMath) return __fdividef(g, 1.0f + __expf(-g));
-    else return g / (1.0f + expf(-g));
+    if constexpr (kFastMath) {
+        float e;
+        asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(g * -1.4426950408889634f));
+        return __fdividef(g, 1.0f + e);
+    } else {
+        return g / (1.0f + expf(-g));
+    }
 }
 
 // The kernel's TMA descriptors (__grid_constant__ parameters): activation pools (BLOCK_M-row boxes,
@@ -1468,11 +1476,16 @@ struct Kernel {
     // bytes 4 (l % 4) .. + 3 of the row's 16-byte chunk 2 ks + hi of the E4M3 tile: exactly the
     // stmatrix fragment of 8 x 16-byte matrix (ks, hi), so two stmatrix.x4 write the group
     // (chunk c of row r at r * 128 + (c ^ r % 8) * 16 in its 1024-byte atom).
-    template <int kRows>
+    // Part kPart of kParts expands groups [kPart, kPart + 1) * kGroups / kParts of each thread (the
+    // L1 loop: gate's rows under gate's wgmma, up's under up's); the first barrier is part 0's, the
+    // fence and the last barrier the last part's, so every math thread meets both once a tile.
+    template <int kRows, int kPart = 0, int kParts = 1>
     __device__ void expand_fp4_tile(int s, uint8_t* dst) {
         constexpr int kMathWarps = kNumMathThreads / 32, kGroups = kRows / 8 / kMathWarps;
         static_assert(kNumMathThreads == 256 and kRows % (8 * kMathWarps) == 0 and kRows % 128 == 0,
                       "whole 8-row groups per warp, whole delta blocks");
+        static_assert(kGroups % kParts == 0 and kPart < kParts, "whole groups per part");
+        constexpr int kU0 = kPart * (kGroups / kParts), kU1 = kU0 + kGroups / kParts;
         // Math thread t = 32 warp + lane, read here rather than taken from the caller: from values live
         // across the task loop ptxas spilled the row index (one local load per K-block at BLOCK_M = 128);
         // these addresses cost a few integer instructions per tile
@@ -1490,17 +1503,17 @@ struct Kernel {
         constexpr int kGroupStride = 8 * kMathWarps;   // rows between a warp's groups
         // All groups' codes loaded first (their latencies overlap), but while a wgmma holds its
         // accumulators (kExpandAhead) one group at a time: the loads' registers would spill them
-        constexpr int kLoadsAhead = kExpandAhead ? 1 : kGroups;
+        constexpr int kLoadsAhead = kExpandAhead ? 1 : kU1 - kU0;
         uint4 codes[kGroups];
         uint32_t offsets[kGroups];
         #pragma unroll
-        for (int u = 0; u < kLoadsAhead; ++u) {
+        for (int u = kU0; u < kU0 + kLoadsAhead; ++u) {
             codes[u] = ld_shared_v4(packed + u * kGroupStride * kMegaMoEPackedRowBytes);
             offsets[u] = fp4_table_offsets(ld_shared_u32(deltas + u * kGroupStride * 4));
         }
         #pragma unroll
-        for (int u = 0; u < kGroups; ++u) {
-            if (u >= kLoadsAhead) {
+        for (int u = kU0; u < kU1; ++u) {
+            if (u >= kU0 + kLoadsAhead) {
                 codes[u] = ld_shared_v4(packed + u * kGroupStride * kMegaMoEPackedRowBytes);
                 offsets[u] = fp4_table_offsets(ld_shared_u32(deltas + u * kGroupStride * 4));
             }
@@ -1509,15 +1522,17 @@ struct Kernel {
             for (int ks = 0; ks < mma::kWgmmaStepsPerKBlock; ++ks) e[ks] = expand_e2m1x8(word_of(codes[u], ks), fp4_magnitudes(offsets[u], ks));
             // Before the first store: every math thread's wgmma on the tile's previous contents is
             // complete (each waited for its own; the other warpgroup's may still be reading it)
-            if (u == 0) named_barrier(kBarrierMathAll, kNumMathThreads);
+            if (kPart == 0 and u == 0) named_barrier(kBarrierMathAll, kNumMathThreads);
             const uint32_t group = u * kGroupStride / 8 * 1024;
             stmatrix_x4(out + group, e[0].x, e[0].y, e[1].x, e[1].y);
             stmatrix_x4((out ^ 64) + group, e[2].x, e[2].y, e[3].x, e[3].y);
         }
         // The wgmma (async proxy) reads what these generic stores wrote; every math warpgroup
         // reads the whole tile, so all of them must be done expanding
-        fence_proxy_async_shared();
-        named_barrier(kBarrierMathAll, kNumMathThreads);
+        if constexpr (kPart == kParts - 1) {
+            fence_proxy_async_shared();
+            named_barrier(kBarrierMathAll, kNumMathThreads);
+        }
     }
 
     // Columns per warpgroup and accumulators per thread. L1: gate and up of kL1Cols output columns
@@ -1559,8 +1574,10 @@ struct Kernel {
                     if (not wait_full_l1(kb, stage_iter, mt)) return false;
                 }
                 const int s = stage_iter % kNumStages;
-                const float sa0 = sm.token_sf(s, mt.row_in_tile(0)), sa1 = sm.token_sf(s, mt.row_in_tile(1));
-                const float sg = sm.weight_sf(s, 0), su = kExpandAhead ? 0.0f : sm.weight_sf(s, 1);
+                // (kExpandAhead: read after the expansion, below)
+                const float sa0 = kExpandAhead ? 0.0f : sm.token_sf(s, mt.row_in_tile(0));
+                const float sa1 = kExpandAhead ? 0.0f : sm.token_sf(s, mt.row_in_tile(1));
+                const float sg = kExpandAhead ? 0.0f : sm.weight_sf(s, 0), su = kExpandAhead ? 0.0f : sm.weight_sf(s, 1);
                 uint8_t* const b_tile = sm.mma_b(s, stage_iter);
                 const uint64_t da = mma::make_k_major_sw128_desc(sm.stage_a(s) + a_offset);
                 const uint64_t dg = mma::make_k_major_sw128_desc(b_tile + gate_offset);
@@ -1593,22 +1610,27 @@ struct Kernel {
                         mma::warpgroup_commit();
                         if (kb == 0 and half == 0) read_task_inputs();
                         if constexpr (kExpandAhead) {
-                            // The next K-block's tile into the other expanded tile while up's wgmma
-                            // runs (expand_fp4_tile's first barrier: both warpgroups' wgmmas of the
+                            // The next K-block's tile into the other expanded tile, its gate rows
+                            // while gate's wgmma runs and its up rows while up's does
+                            // (expand_fp4_tile's first barrier: both warpgroups' wgmmas of the
                             // K-block before, which read that tile, are complete)
-                            if (half == 1 and kb + 1 < num_kb) {
-                                if (not wait_full_l1(kb + 1, stage_iter + 1, mt)) {
-                                    mma::warpgroup_wait<0>();
-                                    return false;
+                            if (kb + 1 < num_kb) {
+                                if (half == 0) {
+                                    if (not wait_full_l1(kb + 1, stage_iter + 1, mt)) {
+                                        mma::warpgroup_wait<0>();
+                                        return false;
+                                    }
+                                    expand_fp4_tile<kMegaMoEBlockNL1, 0, 2>((stage_iter + 1) % kNumStages, sm.expanded(stage_iter + 1));
+                                } else {
+                                    expand_fp4_tile<kMegaMoEBlockNL1, 1, 2>((stage_iter + 1) % kNumStages, sm.expanded(stage_iter + 1));
                                 }
-                                expand_fp4_tile<kMegaMoEBlockNL1>((stage_iter + 1) % kNumStages, sm.expanded(stage_iter + 1));
                             }
                         }
-                        // kExpandAhead: up's scales read again after the expansion (held across
-                        // it, they were spilled: the wgmma's accumulators and acc fill the registers)
+                        // kExpandAhead: the scales read after the expansion (held across it, they
+                        // were spilled: the wgmma's accumulators and acc fill the registers)
                         float sb = half == 0 ? sg : su, sr0 = sa0, sr1 = sa1;
-                        if (kExpandAhead and half == 1)
-                            sb = sm.weight_sf(s, 1), sr0 = sm.token_sf(s, mt.row_in_tile(0)), sr1 = sm.token_sf(s, mt.row_in_tile(1));
+                        if (kExpandAhead)
+                            sb = sm.weight_sf(s, half), sr0 = sm.token_sf(s, mt.row_in_tile(0)), sr1 = sm.token_sf(s, mt.row_in_tile(1));
                         mma::warpgroup_wait<0>();
                         mma::fence_operands(part);
                         if (half == 1) release_stage(stage_iter, mt);
