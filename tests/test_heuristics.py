@@ -80,6 +80,17 @@ def test_decode_picks_block_m_64_and_prefill_128():
     for fmt, most_64 in (('fp8xfp8', 63), ('bf16xbf16', 47), ('fp8xfp4', 64)):
         assert config(fmt, num_tokens=most_64 * 32, **ds)['block_m'] == 64, fmt
         assert config(fmt, num_tokens=most_64 * 32 + 1, **ds)['block_m'] == 128, fmt
+    # FP8 x FP4 takes 64 again above 128 and up to 176 expected tokens per expert (the second 128-row
+    # M-block mostly padding: docs/PERF.md, session 47); FP8 x FP8 and BF16 stay at 128 there
+    # (n / 32 per expert: 4097 is just above 128, 5633 just above 176)
+    for n, fp4_block_m in ((4096, 128), (4097, 64), (5120, 64), (5632, 64), (5633, 128), (8192, 128)):
+        assert config('fp8xfp4', num_tokens=n, **ds)['block_m'] == fp4_block_m, n
+        for fmt in ('fp8xfp8', 'bf16xbf16'):
+            assert config(fmt, num_tokens=n, **ds)['block_m'] == 128, (fmt, n)
+    # the band counts pairs over all ranks' tokens: EP8, 256 experts, top-8, n = 576 a rank -> 144
+    assert config('fp8xfp4', num_tokens=576, num_ranks=8, num_experts=256, num_topk=8)['block_m'] == 64
+    # the tuning aid still forces either
+    assert config('fp8xfp4', num_tokens=160 * 32, block_m=128, **ds)['block_m'] == 128
 
 
 @pytest.mark.parametrize('mma_type', list(MMA_TYPES))

@@ -409,6 +409,18 @@ def test_fp4_prefill_idle_warpgroup(ns, seed, routing, sms):
     check_case('fp8xfp4', *MID, ns, seed, sms=sms, **routing)
 
 
+# FP8 x FP4 at 128-176 expected tokens per expert takes BLOCK_M 64 unforced (docs/PERF.md, session
+# 47): every expert runs two or three M-blocks of 64 as transposed N = 64 tiles, the last partial.
+# mid at n = 2304 (144 per expert), with masks, and on two virtual ranks (150 and ~138 per expert)
+@pytest.mark.parametrize('ns, seed, routing', [([2304], 74, {}), ([2304], 75, {'mask_frac': 0.2}),
+                                               ([1200, 1100], 76, {'mask_frac': 0.1})])
+@pytest.mark.fp8xfp4
+def test_fp4_block_m_64_band(ns, seed, routing):
+    for r, (n, v) in enumerate(zip(ns, picked_variants('fp8xfp4', MID, ns))):
+        assert v[1] == 64, f'rank {r} n = {n}: {v} is not the band\'s BLOCK_M 64 kernel'
+    check_case('fp8xfp4', *MID, ns, seed, **routing)
+
+
 # FP8 x FP4 prefill tiles (expand_fp4_tile) with deltas whose table rows hold E4M3 subnormals: 1 % of
 # the groups 12-14 exponents below their block's largest (exact; about a quarter of the warps' 8-row
 # groups hold one, the rest do not, in the same tiles: session 41's computed rows for deltas <= 11

@@ -64,6 +64,25 @@ constexpr int kPrefillL2WideMinTasksPerSM = 12;
 constexpr int mega_moe_block_m_64_max_tokens(MmaType mma_type) {
     return mma_type == MmaType::kBF16xBF16 ? 47 : mma_type == MmaType::kFP8xFP8 ? 63 : 64;
 }
+// FP8 x FP4 also takes BLOCK_M 64 above kFP4Block64BandLo and up to kFP4Block64BandHi expected tokens
+// per local expert: there most experts get a second 128-row M-block that is mostly padding (with
+// Poisson-like counts around 1.1-1.4 x 128, ~25 % fewer padded rows in M-blocks of 64), and the
+// 128-row kernel streams and expands the whole weight tile for it. Measured (docs/PERF.md, session 47,
+// one H100, BLOCK_M 128 -> 64, tokens per expert): deepseek-v3 144 / 160 / 176 -10.4 / -8.2 / -5.1 %,
+// v4-flash -7.4 / -5.2 / -2.9 %, mid -2.5 / -1.2 / +2.3 %; outside the band 64 lost: at 96 +7.5 /
+// +10.5 / +10 %, at 192 +1.5 / +3.3 % (deepseek-v3 / v4-flash), at 256 +6.7 / +6.9 / +11.6 %; at 128
+// itself mixed (-4.0 / -1.3 / +3.4 %: mid n = 2048, a benchmark row, would lose), so the band is open there
+constexpr int kFP4Block64BandLo = 128;
+constexpr int kFP4Block64BandHi = 176;
+// The heuristic's BLOCK_M for `num_routed_pairs` (token, expert) pairs expected over `num_experts`
+constexpr int mega_moe_block_m(MmaType mma_type, int64_t num_routed_pairs, int num_experts) {
+    const auto above = [&](int per_expert) { return num_routed_pairs > static_cast<int64_t>(per_expert) * num_experts; };
+    if (not above(mega_moe_block_m_64_max_tokens(mma_type)))
+        return 64;
+    if (mma_type == MmaType::kFP8xFP4 and above(kFP4Block64BandLo) and not above(kFP4Block64BandHi))
+        return 64;
+    return 128;
+}
 // The CTA pair (FP8 x FP4 decode: two CTAs an SM, one math warpgroup each; docs/KERNEL.md): from this
 // many expected L1 + L2 tasks per SM, and below kFP4WideTokensPerExpert expected tokens per expert
 // (where the two-warpgroup kernel would run M-blocks of more than 8 tokens as N = 64 transposed
@@ -197,9 +216,9 @@ inline MegaMoEConfig get_mega_moe_config(MmaType mma_type, int num_ranks, int nu
     // padding, and two 64-row M-blocks give the scheduler twice the parallelism per expert); 128 rows
     // read each expert's weights once where 64-row M-blocks would read them for each of its M-blocks,
     // which pays above mega_moe_block_m_64_max_tokens per expert: for BF16 and FP8 x FP8 before the
-    // M-blocks of 64 are full (the expected count is a mean: at 48-64 many experts take two)
-    c.block_m = block_m != 0 ? block_m
-              : num_routed_pairs <= static_cast<int64_t>(mega_moe_block_m_64_max_tokens(mma_type)) * num_experts ? 64 : 128;
+    // M-blocks of 64 are full (the expected count is a mean: at 48-64 many experts take two); FP8 x
+    // FP4 also in a band above 128 (kFP4Block64BandLo)
+    c.block_m = block_m != 0 ? block_m : mega_moe_block_m(mma_type, num_routed_pairs, num_experts);
     static_assert(layout::kMinBlockM <= 64 and 128 <= layout::kMaxBlockM and layout::kMaxBlockM % 128 == 0,
                   "the buffer's pools must be padded for both BLOCK_M choices");
     c.num_math_warpgroups = kMegaMoENumMathWarpgroups;   // block_m 64: the two split the columns
