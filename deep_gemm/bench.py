@@ -361,7 +361,8 @@ def bench_format_shape(mma_type: str, shape: MoEShape, tokens: Sequence[int], ep
 
 
 def _free_gpu_memory() -> None:
-    # The next (format, shape) needs the memory: the largest weights take ~75 GB while generated
+    # The next (format, shape) needs the memory: deepseek-v3's BF16 weights, reference and kernel layout
+    # take ~45 GB
     gc.collect()
     torch.cuda.empty_cache()
 

@@ -40,10 +40,19 @@ def make_weights(mma_type: str, hidden: int, intermediate: int, num_experts: int
     if pow2_scales is None:
         pow2_scales = hidden * intermediate * num_experts > (1 << 28)
 
+    # Normal draws times `scale` in `dtype`, made a few experts at a time: a whole deepseek-v3 L1 in
+    # float32 is 28 GiB, and one such temporary beside another kept an 80 GB H100 from making the BF16
+    # weights (the benchmark's deepseek-v3 BF16 rows ran out of memory)
+    def randn(rows: int, cols: int, scale: float, dtype, clamp: Optional[float] = None):
+        out = torch.empty(num_experts, rows, cols, dtype=dtype, device=device)
+        for e0 in range(0, num_experts, 8):
+            chunk = torch.randn(min(8, num_experts - e0), rows, cols, device=device, generator=g).mul_(scale)
+            out[e0:e0 + 8] = chunk if clamp is None else chunk.clamp_(-clamp, clamp)
+        return out
+
     def fp8_weight(rows: int, cols: int, fan_in: int):
         if pow2_scales:
-            w = (torch.randn(num_experts, rows, cols, device=device, generator=g) * 64).clamp_(-448, 448)
-            w = w.to(torch.float8_e4m3fn)
+            w = randn(rows, cols, 64.0, torch.float8_e4m3fn, clamp=448.0)
             exps = torch.randint(-14, -10, (num_experts, rows // 128, cols // 128), device=device, generator=g)
             sf = torch.pow(2.0, exps.float())
             ref = (w.to(torch.bfloat16).view(num_experts, rows // 128, 128, cols // 128, 128)
@@ -62,10 +71,8 @@ def make_weights(mma_type: str, hidden: int, intermediate: int, num_experts: int
                                                     s2[r * e_local:(r + 1) * e_local].contiguous()))
                     for r in range(num_ranks)]
     elif mma_type == 'bf16xbf16':
-        l1_ref = (torch.randn(num_experts, 2 * intermediate, hidden, device=device, generator=g)
-                  / hidden ** 0.5).bfloat16()
-        l2_ref = (torch.randn(num_experts, hidden, intermediate, device=device, generator=g)
-                  / intermediate ** 0.5).bfloat16()
+        l1_ref = randn(2 * intermediate, hidden, hidden ** -0.5, torch.bfloat16)
+        l2_ref = randn(hidden, intermediate, intermediate ** -0.5, torch.bfloat16)
         per_rank = [transform_weights_for_mega_moe(l1_ref[r * e_local:(r + 1) * e_local].contiguous(),
                                                    l2_ref[r * e_local:(r + 1) * e_local].contiguous())
                     for r in range(num_ranks)]
