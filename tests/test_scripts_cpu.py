@@ -27,10 +27,13 @@ def test_python_script_compiles(path, tmp_path):
 
 @pytest.mark.parametrize('path', sorted(glob.glob(os.path.join(SCRIPTS, '*.cu'))), ids=os.path.basename)
 def test_cuda_probe_compiles_for_sm90a(path, tmp_path, requires_nvcc):
-    """The standalone probes (the two stream probes, racecheck, code address) still compile as docs/PERF.md
-    says (to an object file: a link-time break would not show here)."""
-    result = subprocess.run([requires_nvcc, '-O2', '-arch=sm_90a', '-c', path, '-o', str(tmp_path / 'probe.o')],
-                            capture_output=True, text=True, timeout=600)
+    """The standalone probes (the stream probes, racecheck, code address, the prefill operand probe)
+    still compile as docs/PERF.md says (to an object file: a link-time break would not show here), with
+    the package's headers and CuTe's on the include path (the operand probe's wgmma atoms)."""
+    from deep_gemm import jit
+    includes = ['-I', jit.include_dir()] + (['-I', jit.find_cutlass_include()] if jit.find_cutlass_include() else [])
+    result = subprocess.run([requires_nvcc, '-O2', '-std=c++17', '-gencode=arch=compute_90a,code=sm_90a', *includes, '-c', path, '-o',
+                             str(tmp_path / 'probe.o')], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
 
 

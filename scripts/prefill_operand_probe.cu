@@ -1,0 +1,224 @@
+// Is the FP8 prefill K-block bound by its operand stream from L2, and would 2-CTA clusters that
+// multicast the shared weight tile lift that bound? A model of the Mega MoE kernel's 128-row L1
+// task without its promotions and epilogue: per CTA one producer thread fills a 4-stage ring of
+// 48 KB stages (A: 128 token rows x one 128-byte K-block, 16 KB; B: 256 weight rows x 128 bytes,
+// 32 KB, both 128B-swizzled TMA boxes), two math warpgroups each run four m64n256k32 E4M3 wgmmas
+// per K-block on their 64 rows (the tensor work of the kernel's gate and up halves), wait, and
+// release the stage. Operands stay L2-resident (a few MB re-read by every CTA, as the prefill's
+// M-blocks and weight tiles are: the bytes come from L2, not HBM).
+//   cluster 1: every CTA loads its A and the whole B tile (48 KB a stage from L2: the kernel today)
+//   cluster 2: CTA pairs work on two M-blocks of one expert's weight tile: each loads its own A
+//              and one 128-row half of B, multicast to both CTAs (32 KB a stage from L2); a stage
+//              is refilled once the math of both CTAs has released it
+// Modes: data (no wgmma: what the ring alone sustains), math (wgmma on streamed stages), smem (the
+// producer loads nothing: wgmma on whatever the stages hold, the tensor cores' own rate).
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I deep_gemm/include \
+//        -I "$(python3 -c 'import deep_gemm.jit as j; print(j.find_cutlass_include())')" \
+//        -o /tmp/operand_probe scripts/prefill_operand_probe.cu
+//   /tmp/operand_probe     (132 CTAs; per cluster size and mode: ns and SM cycles per K-block, GB/s from L2)
+// Results: docs/PERF.md, session 47.
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+
+#include <deep_gemm/mma/sm90_wgmma.cuh>
+
+#include "probe_common.cuh"
+
+namespace {
+
+constexpr int kKBytes = 4096;                 // K of the modelled L1 (v4-flash hidden, FP8): 32 K-blocks a task
+constexpr int kNumKb = kKBytes / 128;
+constexpr int kABytes = 128 * 128;            // one K-block of a 128-row M-block
+constexpr int kBBytes = 256 * 128;            // one K-block of a 256-row weight tile
+constexpr int kStageBytes = kABytes + kBBytes;
+constexpr int kStages = 4;
+constexpr int kMBlocks = 16;                  // distinct A tiles (rows of the pool)
+constexpr int kWTiles = 16;                   // distinct weight tiles
+constexpr int kThreads = 384;
+
+enum Mode { kData = 0, kMath = 1, kSmem = 2 };
+
+using Mma = deep_gemm::mma::WgmmaSS<cute::SM90::GMMA::MMA_64x256x32_F32E4M3E4M3_SS_TN<>, 128>;
+
+__device__ __forceinline__ uint32_t cluster_rank() { uint32_t r; asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r)); return r; }
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void tma_2d(uint32_t dst, const CUtensorMap* map, uint64_t* bar, int x, int y) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n"
+                 :: "r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(sa(bar)), "r"(x), "r"(y) : "memory");
+}
+// The box lands at the same offset in every CTA of `mask` and completes its bytes on each one's
+// mbarrier at `bar`'s offset
+__device__ __forceinline__ void tma_2d_multicast(uint32_t dst, const CUtensorMap* map, uint64_t* bar, int x, int y, uint16_t mask) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+                 " [%0], [%1, {%3, %4}], [%2], %5;\n"
+                 :: "r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(sa(bar)), "r"(x), "r"(y), "h"(mask) : "memory");
+}
+__device__ __forceinline__ void arrive_remote(uint64_t* bar, uint32_t cta) {
+    asm volatile("{\n .reg .b32 ra;\n mapa.shared::cluster.u32 ra, %0, %1;\n"
+                 " mbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra];\n}\n" :: "r"(sa(bar)), "r"(cta) : "memory");
+}
+__device__ __forceinline__ void wait_cluster(uint64_t* b, uint32_t parity) {
+    uint32_t done = 0;
+    while (!done)
+        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done) : "r"(sa(b)), "r"(parity) : "memory");
+}
+
+template <int kCluster>
+__device__ void body(const CUtensorMap* tm_a, const CUtensorMap* tm_b, int mode, int tasks, float* sink, long long* cycles) {
+    extern __shared__ __align__(1024) uint8_t smem[];
+    auto* full = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
+    auto* empty = full + kStages;
+    const uint32_t rank = kCluster > 1 ? cluster_rank() : 0;
+    const int wg = threadIdx.x / 128;
+    if (threadIdx.x == 0) {
+        // empty: one arrival per math warpgroup of every CTA that reads the stage's B
+        for (int s = 0; s < kStages; ++s) mb_init(full + s, 1), mb_init(empty + s, 2 * kCluster);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    if constexpr (kCluster > 1) cluster_sync(); else __syncthreads();
+    // The pair's tasks: the same weight tile, M-blocks 2p and 2p + 1 (one CTA's M-block otherwise)
+    const int pair = blockIdx.x / kCluster;
+    const int total = tasks * kNumKb;
+    if (threadIdx.x == 0) {
+        for (int it = 0; it < total; ++it) {
+            const int s = it % kStages, kb = it % kNumKb, task = it / kNumKb;
+            const int m_block = (pair * kCluster + rank + task * 7) % kMBlocks, w_tile = (pair + task * 5) % kWTiles;
+            if constexpr (kCluster > 1) wait_cluster(empty + s, ((it / kStages) & 1) ^ 1);
+            else mb_wait(empty + s, ((it / kStages) & 1) ^ 1);
+            const uint32_t a = sa(smem + s * kStageBytes), b = a + kABytes;
+            if (mode == kSmem) { mb_arrive(full + s); continue; }
+            mb_arrive_tx(full + s, kStageBytes);
+            tma_2d(a, tm_a, full + s, kb * 128, m_block * 128);
+            if constexpr (kCluster > 1) {
+                const uint32_t half = kBBytes / kCluster;
+                tma_2d_multicast(b + rank * half, tm_b, full + s, kb * 128, w_tile * 256 + rank * (256 / kCluster),
+                                 static_cast<uint16_t>((1u << kCluster) - 1));
+            } else {
+                tma_2d(b, tm_b, full + s, kb * 128, w_tile * 256);
+            }
+        }
+    } else if (wg >= 1) {
+        float acc[Mma::kNumAccum];
+        #pragma unroll
+        for (int i = 0; i < Mma::kNumAccum; ++i) acc[i] = 0.0f;
+        const long long t0 = clock64();
+        for (int it = 0; it < total; ++it) {
+            const int s = it % kStages;
+            mb_wait(full + s, (it / kStages) & 1);
+            if (mode != kData) {
+                uint8_t* stage = smem + s * kStageBytes;
+                const uint64_t da = deep_gemm::mma::make_k_major_sw128_desc(stage + (wg - 1) * 64 * 128);
+                const uint64_t db = deep_gemm::mma::make_k_major_sw128_desc(stage + kABytes);
+                deep_gemm::mma::fence_operands(acc);
+                deep_gemm::mma::warpgroup_arrive();
+                Mma::fma_k_block(da, db, acc, true);
+                deep_gemm::mma::warpgroup_commit();
+                deep_gemm::mma::warpgroup_wait<0>();
+                deep_gemm::mma::fence_operands(acc);
+            }
+            // one arrival per warpgroup on the stage's empty barrier of every CTA that shares it
+            asm volatile("bar.sync %0, 128;\n" :: "r"(wg) : "memory");
+            if (threadIdx.x % 128 == 0) {
+                if constexpr (kCluster > 1) {
+                    for (uint32_t c = 0; c < kCluster; ++c) arrive_remote(empty + s, c);
+                } else {
+                    mb_arrive(empty + s);
+                }
+            }
+        }
+        if (threadIdx.x == 128) cycles[blockIdx.x] = clock64() - t0;
+        float sum = 0.0f;
+        #pragma unroll
+        for (int i = 0; i < Mma::kNumAccum; ++i) sum += acc[i];
+        if (sum == 1234.5f) sink[threadIdx.x] = sum;   // keeps the wgmmas (never true for these bytes)
+    }
+    // No CTA leaves while its peer may still multicast into it or arrive on its barriers
+    if constexpr (kCluster > 1) cluster_sync();
+}
+
+__global__ void __launch_bounds__(kThreads, 1) probe1(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b,
+                                                       int mode, int tasks, float* sink, long long* cycles) {
+    body<1>(&tm_a, &tm_b, mode, tasks, sink, cycles);
+}
+__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kThreads, 1) probe2(const __grid_constant__ CUtensorMap tm_a,
+                                                                                const __grid_constant__ CUtensorMap tm_b,
+                                                                                int mode, int tasks, float* sink, long long* cycles) {
+    body<2>(&tm_a, &tm_b, mode, tasks, sink, cycles);
+}
+
+CUtensorMap make_map(void* base, uint64_t rows, uint32_t box_rows) {
+    using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*, const cuuint64_t*,
+                                const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+    static Encode encode = nullptr;
+    if (encode == nullptr) {
+        cudaDriverEntryPointQueryResult q;
+        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", reinterpret_cast<void**>(&encode), 12000, cudaEnableDefault, &q);
+        if (encode == nullptr) { std::printf("no cuTensorMapEncodeTiled\n"); std::exit(1); }
+    }
+    CUtensorMap m;
+    const cuuint64_t dims[2] = {kKBytes, rows};
+    const cuuint64_t strides[1] = {kKBytes};
+    const cuuint32_t box[2] = {128, box_rows};
+    const cuuint32_t elem_strides[2] = {1, 1};
+    const CUresult r = encode(&m, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, base, dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                              CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS) { std::printf("cuTensorMapEncodeTiled failed: %d\n", static_cast<int>(r)); std::exit(1); }
+    return m;
+}
+
+}  // namespace
+
+int main() {
+    void *a = nullptr, *b = nullptr;
+    cudaMalloc(&a, size_t(kMBlocks) * 128 * kKBytes);
+    cudaMalloc(&b, size_t(kWTiles) * 256 * kKBytes);
+    cudaMemset(a, 0x38, size_t(kMBlocks) * 128 * kKBytes);   // E4M3 1.0
+    cudaMemset(b, 0x30, size_t(kWTiles) * 256 * kKBytes);    // E4M3 0.5
+    const CUtensorMap tm_a = make_map(a, uint64_t(kMBlocks) * 128, 128);
+    const CUtensorMap tm_b1 = make_map(b, uint64_t(kWTiles) * 256, 256), tm_b2 = make_map(b, uint64_t(kWTiles) * 256, 128);
+    float* sink = nullptr;
+    long long* cycles = nullptr;
+    int num_sms = 0;
+    cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0);
+    const int grid = num_sms / 2 * 2;
+    cudaMalloc(&sink, kThreads * sizeof(float));
+    cudaMalloc(&cycles, grid * sizeof(long long));
+    const int smem = kStages * kStageBytes + 2 * kStages * 8;
+    cudaFuncSetAttribute(probe1, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    cudaFuncSetAttribute(probe2, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    cudaEvent_t e0, e1;
+    cudaEventCreate(&e0), cudaEventCreate(&e1);
+    const int tasks = 24;
+    const char* names[] = {"data", "math", "smem"};
+    std::printf("# %d CTAs, %d tasks of %d K-blocks each, %d stages of %d KB; A %d KB + B %d KB a stage\n", grid, tasks, kNumKb,
+                kStages, kStageBytes / 1024, kABytes / 1024, kBBytes / 1024);
+    std::printf("%7s %5s %10s %12s %14s %16s\n", "cluster", "mode", "us", "ns/K-block", "cycles/K-block", "L2 -> SM GB/s");
+    for (int round = 0; round < 2; ++round)
+    for (int cluster : {1, 2})
+    for (int mode : {kData, kMath, kSmem}) {
+        const float best = best_of_3_ms(e0, e1, [&] {
+            if (cluster == 1) probe1<<<grid, kThreads, smem>>>(tm_a, tm_b1, mode, tasks, sink, cycles);
+            else probe2<<<grid, kThreads, smem>>>(tm_a, tm_b2, mode, tasks, sink, cycles);
+        });
+        const cudaError_t err = cudaDeviceSynchronize();
+        if (err != cudaSuccess) { std::printf("error: %s\n", cudaGetErrorString(err)); return 1; }
+        long long host_cycles[256] = {};
+        cudaMemcpy(host_cycles, cycles, grid * sizeof(long long), cudaMemcpyDeviceToHost);
+        double mean_cycles = 0;
+        for (int i = 0; i < grid; ++i) mean_cycles += double(host_cycles[i]) / grid;
+        const int kbs = tasks * kNumKb;
+        // bytes each SM takes from L2: A + B (cluster 1) or A + half of B (cluster 2); none in smem mode
+        const double l2_bytes = mode == kSmem ? 0.0 : double(grid) * kbs * (kABytes + kBBytes / cluster);
+        std::printf("%7d %5s %10.1f %12.1f %14.0f %16.0f\n", cluster, names[mode], best * 1e3, best * 1e6 / kbs, mean_cycles / kbs,
+                    l2_bytes / (best * 1e-3) / 1e9);
+    }
+    return 0;
+}
