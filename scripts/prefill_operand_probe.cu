@@ -15,11 +15,13 @@
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I deep_gemm/include \
 //        -I "$(python3 -c 'import deep_gemm.jit as j; print(j.find_cutlass_include())')" \
 //        -o /tmp/operand_probe scripts/prefill_operand_probe.cu
-//   /tmp/operand_probe     (132 CTAs; per cluster size and mode: ns and SM cycles per K-block, GB/s from L2)
+//   /tmp/operand_probe     (as many CTAs as 2-CTA clusters fill at once, <= the SMs; per cluster size and
+//                           mode: ns and SM cycles per K-block, GB/s from L2)
 // Results: docs/PERF.md, session 47.
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -140,6 +142,7 @@ __device__ void body(const CUtensorMap* tm_a, const CUtensorMap* tm_b, int mode,
         if (sum == 1234.5f) sink[threadIdx.x] = sum;   // keeps the wgmmas (never true for these bytes)
     }
     // No CTA leaves while its peer may still multicast into it or arrive on its barriers
+    __syncwarp();
     if constexpr (kCluster > 1) cluster_sync();
 }
 
@@ -188,12 +191,24 @@ int main() {
     long long* cycles = nullptr;
     int num_sms = 0;
     cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0);
-    const int grid = num_sms / 2 * 2;
-    cudaMalloc(&sink, kThreads * sizeof(float));
-    cudaMalloc(&cycles, grid * sizeof(long long));
     const int smem = kStages * kStageBytes + 2 * kStages * 8;
     cudaFuncSetAttribute(probe1, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     cudaFuncSetAttribute(probe2, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    // Clusters are placed within a GPC: with one CTA an SM, GPCs of odd SM counts leave an SM idle.
+    // Both cluster sizes run on the CTAs that 2-CTA clusters can hold at once (one wave each)
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(num_sms / 2 * 2);
+    cfg.blockDim = dim3(kThreads);
+    cfg.dynamicSmemBytes = smem;
+    int max_clusters = 0;
+    if (cudaOccupancyMaxActiveClusters(&max_clusters, probe2, &cfg) != cudaSuccess or max_clusters <= 0) {
+        std::printf("cudaOccupancyMaxActiveClusters failed\n");
+        return 1;
+    }
+    const int grid = std::min(num_sms / 2, max_clusters) * 2;
+    std::printf("# %d SMs, at most %d 2-CTA clusters resident at once\n", num_sms, max_clusters);
+    cudaMalloc(&sink, kThreads * sizeof(float));
+    cudaMalloc(&cycles, grid * sizeof(long long));
     cudaEvent_t e0, e1;
     cudaEventCreate(&e0), cudaEventCreate(&e1);
     const int tasks = 24;
