@@ -4,7 +4,7 @@ Public surface (DeepGEMM's Mega MoE API):
 
     get_symm_buffer_for_mega_moe, get_symm_buffer_size_for_mega_moe, SymmBuffer
     transform_weights_for_mega_moe, inverse_transform_weights_for_mega_moe
-    fp8_fp4_mega_moe, fp8_mega_moe, bf16_mega_moe
+    fp8_fp4_mega_moe, fp8_mega_moe, bf16_mega_moe, prepare_mega_moe_kernels
     set_num_sms, get_num_sms, set_timeout, get_timeout, MegaMoEError
     utils (quantization helpers), testing (reference MoE, calc_diff, virtual ranks)
 
@@ -17,7 +17,8 @@ _jit.init()
 from . import _C  # noqa: E402
 from .mega import (MMA_TYPES, SymmBuffer, bf16_mega_moe, fp8_fp4_mega_moe, fp8_mega_moe,  # noqa: E402
                    get_symm_buffer_for_mega_moe, get_symm_buffer_size_for_mega_moe,
-                   inverse_transform_weights_for_mega_moe, transform_weights_for_mega_moe)
+                   inverse_transform_weights_for_mega_moe, prepare_mega_moe_kernels,
+                   transform_weights_for_mega_moe)
 from .mega.status import MegaMoEError, get_timeout, set_timeout  # noqa: E402
 from . import testing, utils  # noqa: E402
 
@@ -37,6 +38,6 @@ def get_num_sms() -> int:
 __all__ = [
     'MMA_TYPES', 'MegaMoEError', 'SymmBuffer', 'bf16_mega_moe', 'fp8_fp4_mega_moe', 'fp8_mega_moe',
     'get_num_sms', 'get_symm_buffer_for_mega_moe', 'get_symm_buffer_size_for_mega_moe', 'get_timeout',
-    'inverse_transform_weights_for_mega_moe', 'set_num_sms', 'set_timeout', 'testing',
+    'inverse_transform_weights_for_mega_moe', 'prepare_mega_moe_kernels', 'set_num_sms', 'set_timeout', 'testing',
     'transform_weights_for_mega_moe', 'utils',
 ]

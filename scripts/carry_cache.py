@@ -26,7 +26,10 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GPUS = ((132, 232448, 4917), (132, 232448, 3352))   # (SMs, max shared memory, HBM GB/s): H200, H100
+sys.path.insert(0, ROOT)
+from deep_gemm.mega.launch import SM90_HBM_GBPS, SM90_MAX_SMEM, SM90_NUM_SMS  # noqa: E402
+
+GPUS = tuple((SM90_NUM_SMS, SM90_MAX_SMEM, gbps) for gbps in SM90_HBM_GBPS.values())   # (SMs, max shared memory, HBM GB/s): H200, H100
 
 # Runs inside a tree (its own deep_gemm): prints a JSON list of the cache directories of the kernels
 # asked for, from the cache in DG_JIT_CACHE_DIR, and fails if any of them had to be compiled.

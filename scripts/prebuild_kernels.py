@@ -30,11 +30,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import deep_gemm  # noqa: E402,F401
 from deep_gemm import _C  # noqa: E402
 from deep_gemm.mega.buffer import MMA_TYPES  # noqa: E402
-from deep_gemm.mega.launch import kernel_variant  # noqa: E402
+from deep_gemm.mega.launch import SM90_HBM_GBPS, SM90_MAX_SMEM, SM90_NUM_SMS, kernel_variant  # noqa: E402
 
-H200_SMEM = 232448
-H200_SMS = 132
-H200_HBM_GBPS = 4917   # the launcher's bandwidth-dependent picks (the CTA pair with N = 16 / 32 tiles) as on the H200
+H200_SMEM = SM90_MAX_SMEM
+H200_SMS = SM90_NUM_SMS
+H200_HBM_GBPS = SM90_HBM_GBPS['H200']   # the launcher's bandwidth-dependent picks (the CTA pair with N = 16 / 32 tiles) as on the H200
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_FORMATS = ('fp8xfp8', 'bf16xbf16')
 

@@ -288,3 +288,92 @@ def test_launcher_bounds_the_combine_index():
     args[8] = n + 1
     with pytest.raises(ValueError, match='num_tokens: expected 0 <= num_tokens <= num_max_tokens_per_rank'):
         _C.launch_mega_moe(*args)
+
+
+class _PrepareRecorder:
+    """Stands in for deep_gemm._C in deep_gemm.mega.launch: the variant choice is the real one, the
+    compiles are recorded (a CPU test does not run nvcc for every variant)."""
+
+    def __init__(self):
+        from deep_gemm import _C
+        self._C = _C
+        self.prepared, self.stages = [], []
+
+    def __getattr__(self, name):
+        return getattr(self._C, name)
+
+    def prepare_mega_moe(self, *args, **kwargs):
+        self.prepared.append((args, kwargs))
+        return '/nowhere'
+
+    def compile_mega_moe_stage(self, fp8, load=False):
+        self.stages.append((fp8, load))
+        return '/nowhere'
+
+
+@pytest.mark.parametrize('mma_type', ['fp8xfp4', 'fp8xfp8', 'bf16xbf16'])
+def test_prepare_mega_moe_kernels_every_variant_once(monkeypatch, mma_type):
+    # deepseek-v3's shape, n up to 8192 on a CPU buffer: every distinct kernel that n = 0..8192 pick on
+    # an H200 or an H100 is compiled once (not loaded: no GPU) with the arguments that pick it, the
+    # staging kernel too; the names are the launcher's
+    from deep_gemm import _C
+    from deep_gemm.mega import launch
+    recorder = _PrepareRecorder()
+    monkeypatch.setattr(launch, '_C', recorder)
+    experts, topk, hidden, inter, most = 256, 8, 7168, 2048, 8192
+    buf = get_symm_buffer_for_mega_moe(None, experts, most, topk, hidden, inter, mma_type=mma_type, device='cpu')
+    names = mega.prepare_mega_moe_kernels(buf)
+    kind = mega.mma_type_to_int(mma_type)
+    expected = {_C.get_mega_moe_kernel_variant(kind, 1, experts, topk, hidden, inter, n, 132, 232448, True,
+                                               ranks_share_gpu=False, hbm_gbps=gbps)['name']
+                for n in range(most + 1) for gbps in (4917, 3352)}
+    assert names == sorted(expected) and len(names) >= 3, names
+    assert len(recorder.prepared) == len(names)
+    picked = set()
+    for args, kwargs in recorder.prepared:
+        assert args[-1] is False, 'a CPU buffer: compiled, not loaded'
+        picked.add(_C.get_mega_moe_kernel_variant(*args[:-1], **kwargs)['name'])
+    assert picked == expected
+    assert recorder.stages == [(mma_type != 'bf16xbf16', False)]
+    # decode and prefill tiles both among them
+    assert any('_m64_' in name for name in names) and any('_m128_' in name for name in names), names
+
+
+def test_prepare_mega_moe_kernels_token_counts(monkeypatch):
+    from deep_gemm.mega import launch
+    recorder = _PrepareRecorder()
+    monkeypatch.setattr(launch, '_C', recorder)
+    buf = get_symm_buffer_for_mega_moe(None, 256, 4096, 8, 7168, 2048, mma_type='fp8xfp4', device='cpu')
+    one = mega.prepare_mega_moe_kernels(buf, 1)
+    assert len(one) in (1, 2) and all('_m64_' in name for name in one), one   # H200 and H100 may differ
+    prefill = mega.prepare_mega_moe_kernels(buf, [4096])
+    assert prefill == ['sm90_mega_moe_fp8xfp4_m128_n128_s4_fast'], prefill
+    exact = mega.prepare_mega_moe_kernels(buf, range(4095, 4097), fast_math=False)
+    assert exact and all(name.endswith('_exact') or '_exact_' in name for name in exact), exact
+    # virtual ranks: a slice of the SMs each, never the CTA pair
+    buf.num_ranks, buf.num_sms = 2, 66
+    assert not any('_pair' in name for name in mega.prepare_mega_moe_kernels(buf, range(0, 65)))
+
+
+@pytest.mark.parametrize('num_tokens, error, match', [
+    (-1, ValueError, 'n = -1 is invalid: expected 0 <= n <= num_max_tokens_per_rank = 8'),
+    (9, ValueError, 'n = 9 is invalid'),
+    ([1, 2, 100], ValueError, 'n = 100 is invalid'),
+    ([], ValueError, 'num_tokens is empty'),
+    (2.0, TypeError, 'must be None, an int or an iterable of ints'),
+    ([1, 2.5], TypeError, '2.5 is not an int'),
+    ([True], TypeError, 'True is not an int'),
+    ('8', TypeError, "'8' is not an int"),
+])
+def test_prepare_mega_moe_kernels_bad_token_counts(num_tokens, error, match):
+    buf = get_symm_buffer_for_mega_moe(None, E, N, K, H, I, mma_type='fp8xfp8', device='cpu')
+    with pytest.raises(error, match=match):
+        mega.prepare_mega_moe_kernels(buf, num_tokens)
+
+
+def test_prepare_mega_moe_kernels_bad_arguments():
+    buf = get_symm_buffer_for_mega_moe(None, E, N, K, H, I, mma_type='fp8xfp8', device='cpu')
+    with pytest.raises(TypeError, match='sym_buffer must be a SymmBuffer'):
+        mega.prepare_mega_moe_kernels(buf.buffer)
+    with pytest.raises(TypeError, match='fast_math = 1 must be a bool'):
+        mega.prepare_mega_moe_kernels(buf, 1, fast_math=1)

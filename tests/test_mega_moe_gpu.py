@@ -525,6 +525,64 @@ def test_cuda_graph_replay(mma_type, n):
         assert calc_diff(y.float(), mc.reference(w, inp)) < TOL[mma_type]
 
 
+# deep_gemm.prepare_mega_moe_kernels loads every kernel a buffer's calls can launch: in a fresh
+# process (no kernel loaded before), prepare, then capture staging + the fused call at n = 1 / 32 /
+# 200 (narrow decode tiles; FP8 x FP4 the CTA pair; 64-row wide tiles) with no call before the
+# capture, replay on new inputs with masks: the staged inputs bit for bit, y against the reference
+_PREPARED_CAPTURE = r"""
+import sys
+import torch
+import deep_gemm
+from deep_gemm.testing import calc_diff, ep_check, moe_case as mc
+fmt = sys.argv[1]
+hidden, inter, experts, topk = 2048, 768, 128, 8
+fn = {'fp8xfp8': deep_gemm.fp8_mega_moe, 'fp8xfp4': deep_gemm.fp8_fp4_mega_moe, 'bf16xbf16': deep_gemm.bf16_mega_moe}[fmt]
+w = mc.make_weights(fmt, hidden, inter, experts, 1, seed=91)
+(buf,) = mc.make_buffers(fmt, 1, experts, 256, topk, hidden, inter)
+names = deep_gemm.prepare_mega_moe_kernels(buf)
+s = torch.cuda.Stream()
+s.wait_stream(torch.cuda.current_stream())
+graphs = []
+for n in (1, 32, 200):
+    inp = mc.make_inputs(fmt, [n], hidden, experts, topk, seed=n)[0]
+    x, idx, weights = inp.x.clone(), inp.topk_idx.clone(), inp.topk_weights.clone()
+    y = torch.empty(n, hidden, dtype=torch.bfloat16, device='cuda')
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(graph, stream=s):
+            buf.stage(x, idx, weights)
+            fn(y, *w.per_rank[0], buf)
+    graphs.append((n, graph, x, idx, weights, y))
+worst = 0.0
+for n, graph, x, idx, weights, y in graphs:
+    inp = mc.make_inputs(fmt, [n], hidden, experts, topk, seed=100 + n, mask_frac=0.2)[0]
+    x.copy_(inp.x), idx.copy_(inp.topk_idx), weights.copy_(inp.topk_weights)
+    y.fill_(float('nan'))
+    graph.replay()
+    torch.cuda.synchronize()
+    bits = torch.uint8 if fmt != 'bf16xbf16' else torch.int16
+    assert torch.equal(buf.x[:n].view(bits), inp.x_q.view(bits)), n
+    assert inp.x_sf is None or torch.equal(buf.x_sf[:n], inp.x_sf), n
+    d = calc_diff(y.float(), mc.reference(w, inp))
+    assert d < ep_check.TOLERANCE[fmt], (n, d)
+    worst = max(worst, d)
+buf.check()
+print(f'OK {fmt} worst calc_diff {worst:.3e}; kernels {len(names)}: ' + ' '.join(names))
+"""
+
+
+@pytest.mark.parametrize('mma_type', FORMATS)
+def test_prepared_kernels_capture_without_a_warm_up(mma_type):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get('PYTHONPATH')])))
+    run = subprocess.run([sys.executable, '-c', _PREPARED_CAPTURE, mma_type], env=env, capture_output=True, text=True,
+                         timeout=240, cwd=root)
+    assert run.returncode == 0, f'{run.stdout}\n{run.stderr[-3000:]}'
+    found = re.search(r'^OK \S+ worst calc_diff (\S+);', run.stdout, re.M)
+    assert found, run.stdout
+    record_diff(mma_type, float(found.group(1)))
+
+
 # The CTA pair under the guarantees the other kernels have (one rank on the whole GPU, where the
 # heuristic picks it: mid at 16-64 tokens, FP8 x FP4): back-to-back calls on one buffer with changing
 # n (1-80: the pair and, at 1-15 tokens, the two-warpgroup kernel in turn), masks, every 20th call

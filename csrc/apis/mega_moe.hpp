@@ -68,8 +68,15 @@ inline void register_apis(py::module_& m) {
           "Launch the input-staging kernel of SymmBuffer.stage (validated in Python).");
 
     m.def("compile_mega_moe_stage",
-          [](bool fp8) { return jit_kernels::compile_mega_moe_stage(fp8).string(); },
-          py::arg("fp8"), "Compile (or fetch from the cache) the staging kernel; works without a GPU.");
+          [](bool fp8, bool load) {
+              const auto dir = jit_kernels::compile_mega_moe_stage(fp8);
+              if (load)
+                  jit::get_kernel(dir, "mega_moe_stage");
+              return dir.string();
+          },
+          py::arg("fp8"), py::arg("load") = false,
+          "Compile (or fetch from the cache) the staging kernel; works without a GPU. With load=True, also load\n"
+          "it into the current CUDA context as its first launch would.");
 
     m.def("compile_mega_moe",
           [](int mma_type, int block_m, int num_stages, bool fast_math, int block_n_l2, int wide_n_min, bool signals_thread, bool cta_pair) {

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
-from typing import Optional, Tuple
+from typing import Iterable, List, Optional, Tuple, Union
 
 import torch
 
@@ -222,6 +222,54 @@ def bf16_mega_moe(y: torch.Tensor, l1_weights: Weights, l2_weights: Weights, sym
     """MoE layer with BF16 activations and BF16 weights."""
     _run('bf16xbf16', 'bf16_mega_moe', y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert_recv_stats,
          activation, activation_clamp, fast_math)
+
+
+def prepare_mega_moe_kernels(sym_buffer: SymmBuffer, num_tokens: Union[None, int, Iterable[int]] = None,
+                             fast_math: bool = True) -> List[str]:
+    """Compile (JIT, or find in DG_JIT_CACHE_DIR) and load every kernel that calls on `sym_buffer` can
+    launch, so that no later call compiles or loads one: call it at start-up, before capturing CUDA
+    graphs for many batch sizes.
+
+    Which kernel a call launches depends on its own token count n (decode and prefill tiles, L2 task
+    widths, ...: the heuristics of docs/KERNEL.md), so a graph captured at a new n may need a kernel
+    no call has loaded yet, and loading one inside a capture is not allowed. Every rank calls this for
+    its own buffer (virtual ranks: after `make_virtual_ranks` gave each its SMs), with the SM count
+    (`deep_gemm.set_num_sms`) and DG_MEGA_MOE_* tuning variables as its calls will have them.
+
+    Args:
+        sym_buffer: the rank's SymmBuffer; its mma_type picks the format.
+        num_tokens: the token counts the calls will have: None (default) every n from 0 to
+            num_max_tokens_per_rank, an int, or an iterable of ints in that range.
+        fast_math: as the calls will pass it.
+
+    Also loads `SymmBuffer.stage`'s kernel and makes the buffer's pinned status mirror. On a CPU buffer
+    (no GPU): compiles only, the variants an H200 and an H100 would launch. Returns the kernels'
+    names (e.g. `sm90_mega_moe_fp8xfp4_m128_n128_s4_fast`), sorted.
+    """
+    if not isinstance(sym_buffer, SymmBuffer):
+        raise TypeError(f'sym_buffer must be a SymmBuffer (from get_symm_buffer_for_mega_moe), '
+                        f'got {type(sym_buffer).__name__}')
+    most = sym_buffer.num_max_tokens_per_rank
+    if num_tokens is None:
+        counts = range(most + 1)
+    elif isinstance(num_tokens, numbers.Integral) and not isinstance(num_tokens, bool):
+        counts = [int(num_tokens)]
+    else:
+        try:
+            counts = list(num_tokens)
+        except TypeError:
+            raise TypeError(f'num_tokens = {num_tokens!r} must be None, an int or an iterable of ints') from None
+        if not counts:
+            raise ValueError('num_tokens is empty: expected at least one token count')
+    for n in counts:
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+            raise TypeError(f'num_tokens: {n!r} is not an int')
+        if not 0 <= n <= most:
+            raise ValueError(f'num_tokens: n = {n} is invalid: expected 0 <= n <= num_max_tokens_per_rank = {most}')
+    if not isinstance(fast_math, bool):
+        raise TypeError(f'fast_math = {fast_math!r} must be a bool')
+    from . import launch
+    return launch.prepare_kernels(sym_buffer, counts, fast_math)
 
 
 # The entry point of each weight format, by name (benchmarks, checks and tests pick the call by format)

@@ -60,6 +60,46 @@ def kernel_variant(kind: str, num_ranks: int, num_experts: int, num_topk: int, h
     return v['mma_type'], v['block_m'], v['num_stages'], v['fast_math'], v['block_n_l2'], v['wide_n_min'], v['signals_thread'], v['cta_pair']
 
 
+# The SM90 parts the kernels are built for where no GPU says (a CPU buffer): the H200 and H100 SXM both
+# have 132 SMs and 232448 bytes of opt-in shared memory a block; their peak HBM bandwidths (GB/s)
+# differ, which one heuristic choice reads (the CTA pair's N = 16 / 32 tiles)
+SM90_NUM_SMS = 132
+SM90_MAX_SMEM = 232448
+SM90_HBM_GBPS = {'H200': 4917, 'H100': 3352}
+
+
+def prepare_kernels(buf, num_tokens, fast_math: bool = True) -> list:
+    """Compile, and on a GPU load, every kernel variant that calls on `buf` with the token counts
+    `num_tokens` (an iterable of ints) launch, and the staging kernel (`deep_gemm.prepare_mega_moe_kernels`
+    validates the arguments). A CPU buffer: compile only, for an H200 and an H100 (the variants of both).
+    Returns the kernels' names, sorted."""
+    kind, on_gpu = buf.mma_type, torch.device(buf.device).type == 'cuda'
+    shares = ranks_share_gpu(buf)
+    if on_gpu:
+        with torch.cuda.device(buf.device):
+            num_sms = int(getattr(buf, 'num_sms', None) or _C.get_num_sms())
+        gpus = [(num_sms, _max_smem(buf.device), _hbm_gbps(buf.device))]
+    else:
+        gpus = [(int(getattr(buf, 'num_sms', None) or SM90_NUM_SMS), SM90_MAX_SMEM, gbps) for gbps in SM90_HBM_GBPS.values()]
+    names = {}
+    for num_sms, max_smem, gbps in gpus:
+        for n in num_tokens:
+            args = (mma_type_to_int(kind), buf.num_ranks, buf.num_experts, buf.num_topk, buf.hidden,
+                    buf.intermediate_hidden, int(n), num_sms, int(max_smem), bool(fast_math))
+            name = _C.get_mega_moe_kernel_variant(*args, ranks_share_gpu=shares, hbm_gbps=gbps)['name']
+            if name not in names:
+                names[name] = args + (gbps,)
+    for name, args in names.items():
+        if on_gpu:
+            compile_mega_moe_kernel(kind, args[6], buf, fast_math)   # compiled and loaded as the call would
+        else:
+            _C.prepare_mega_moe(*args[:-1], False, ranks_share_gpu=shares, hbm_gbps=args[-1])
+    with torch.cuda.device(buf.device) if on_gpu else contextlib.nullcontext():
+        _C.compile_mega_moe_stage(kind != 'bf16xbf16', load=on_gpu)
+    status.host_status(buf)   # the pinned status mirror, made outside any capture that follows
+    return sorted(names)
+
+
 _compiled_calls = set()
 
 
