@@ -156,27 +156,6 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kThreads, 1) probe2(
     body<2>(&tm_a, &tm_b, mode, tasks, sink, cycles);
 }
 
-CUtensorMap make_map(void* base, uint64_t rows, uint32_t box_rows) {
-    using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*, const cuuint64_t*,
-                                const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
-                                CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-    static Encode encode = nullptr;
-    if (encode == nullptr) {
-        cudaDriverEntryPointQueryResult q;
-        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", reinterpret_cast<void**>(&encode), 12000, cudaEnableDefault, &q);
-        if (encode == nullptr) { std::printf("no cuTensorMapEncodeTiled\n"); std::exit(1); }
-    }
-    CUtensorMap m;
-    const cuuint64_t dims[2] = {kKBytes, rows};
-    const cuuint64_t strides[1] = {kKBytes};
-    const cuuint32_t box[2] = {128, box_rows};
-    const cuuint32_t elem_strides[2] = {1, 1};
-    const CUresult r = encode(&m, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, base, dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                              CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    if (r != CUDA_SUCCESS) { std::printf("cuTensorMapEncodeTiled failed: %d\n", static_cast<int>(r)); std::exit(1); }
-    return m;
-}
-
 }  // namespace
 
 int main() {
@@ -185,8 +164,8 @@ int main() {
     cudaMalloc(&b, size_t(kWTiles) * 256 * kKBytes);
     cudaMemset(a, 0x38, size_t(kMBlocks) * 128 * kKBytes);   // E4M3 1.0
     cudaMemset(b, 0x30, size_t(kWTiles) * 256 * kKBytes);    // E4M3 0.5
-    const CUtensorMap tm_a = make_map(a, uint64_t(kMBlocks) * 128, 128);
-    const CUtensorMap tm_b1 = make_map(b, uint64_t(kWTiles) * 256, 256), tm_b2 = make_map(b, uint64_t(kWTiles) * 256, 128);
+    const CUtensorMap tm_a = make_sw128_map(a, uint64_t(kMBlocks) * 128, kKBytes, 128);
+    const CUtensorMap tm_b1 = make_sw128_map(b, uint64_t(kWTiles) * 256, kKBytes, 256), tm_b2 = make_sw128_map(b, uint64_t(kWTiles) * 256, kKBytes, 128);
     float* sink = nullptr;
     long long* cycles = nullptr;
     int num_sms = 0;

@@ -1,8 +1,12 @@
-// Helpers shared by the standalone probes (tma_stream_probe.cu, fp4_stream_probe.cu, math_warps_probe.cu), which
-// build with a bare `nvcc -arch=sm_90a` and so do not include the package's headers: mbarriers, bulk copies, the clock, and
-// the best of three timed launches.
+// Helpers shared by the standalone probes (tma_stream_probe.cu, fp4_stream_probe.cu, math_warps_probe.cu,
+// prefill_operand_probe.cu), which build with nvcc alone, without the package's runtime (the operand probe adds
+// the package's and CuTe's include paths for its wgmma atoms): mbarriers, bulk copies, 128B-swizzled tensor
+// maps, the clock, and the best of three timed launches.
 #pragma once
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cuda.h>
 #include <cuda_runtime.h>
 
 __device__ __forceinline__ uint32_t sa(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
@@ -38,4 +42,28 @@ float best_of_3_ms(cudaEvent_t e0, cudaEvent_t e1, Launch&& launch) {
         if (ms < best) best = ms;
     }
     return best;
+}
+
+// A 2-D uint8 tensor map of `rows` rows of `row_bytes`, boxes of 128 bytes x `box_rows` rows, 128B-swizzled
+// (the kernel's tiles), through the driver entry point (no -lcuda)
+inline CUtensorMap make_sw128_map(void* base, uint64_t rows, uint64_t row_bytes, uint32_t box_rows) {
+    using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*, const cuuint64_t*,
+                                const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+    static Encode encode = nullptr;
+    if (encode == nullptr) {
+        cudaDriverEntryPointQueryResult q;
+        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", reinterpret_cast<void**>(&encode), 12000, cudaEnableDefault, &q);
+        if (encode == nullptr) { std::printf("no cuTensorMapEncodeTiled\n"); std::exit(1); }
+    }
+    CUtensorMap m;
+    const cuuint64_t dims[2] = {row_bytes, rows};
+    const cuuint64_t strides[1] = {row_bytes};
+    const cuuint32_t box[2] = {128, box_rows};
+    const cuuint32_t elem_strides[2] = {1, 1};
+    const CUresult r = encode(&m, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, base, dims, strides, box, elem_strides,
+                                              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS) { std::printf("cuTensorMapEncodeTiled failed: %d\n", static_cast<int>(r)); std::exit(1); }
+    return m;
 }

@@ -81,28 +81,6 @@ __global__ void __launch_bounds__(64) stream(const __grid_constant__ CUtensorMap
     }
 }
 
-static CUtensorMap make_map(void* base, uint64_t rows, uint64_t row_bytes, uint32_t box_rows) {
-    using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*, const cuuint64_t*,
-                                const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
-                                CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-    static Encode encode = nullptr;
-    if (encode == nullptr) {
-        cudaDriverEntryPointQueryResult q;
-        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", reinterpret_cast<void**>(&encode), 12000, cudaEnableDefault, &q);
-        if (encode == nullptr) { std::printf("no cuTensorMapEncodeTiled\n"); std::exit(1); }
-    }
-    CUtensorMap m;
-    const cuuint64_t dims[2] = {row_bytes, rows};
-    const cuuint64_t strides[1] = {row_bytes};
-    const cuuint32_t box[2] = {128, box_rows};
-    const cuuint32_t elem_strides[2] = {1, 1};
-    const CUresult r = encode(&m, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, base, dims, strides, box, elem_strides,
-                                              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    if (r != CUDA_SUCCESS) { std::printf("cuTensorMapEncodeTiled failed: %d\n", static_cast<int>(r)); std::exit(1); }
-    return m;
-}
-
 int main(int argc, char** argv) {
     const bool per_sm = argc > 1 and std::string(argv[1]) == "per-sm";
     const size_t w_bytes = size_t(640) << 20;
@@ -112,9 +90,9 @@ int main(int argc, char** argv) {
     cudaMemset(w, 0x3c, w_bytes);
     cudaMemset(a, 0x3c, 8 * 64 * kKBytes);
     const uint64_t rows = w_bytes / kKBytes;
-    const CUtensorMap tm_row0 = make_map(w, rows, kKBytes, 256), tm_row1 = make_map(w, rows, kKBytes, 128);
-    const CUtensorMap tm_blk = make_map(w, w_bytes / 128, 128, 128);
-    const CUtensorMap tm_a = make_map(a, 8 * 64, kKBytes, 64);
+    const CUtensorMap tm_row0 = make_sw128_map(w, rows, kKBytes, 256), tm_row1 = make_sw128_map(w, rows, kKBytes, 128);
+    const CUtensorMap tm_blk = make_sw128_map(w, w_bytes / 128, 128, 128);
+    const CUtensorMap tm_a = make_sw128_map(a, 8 * 64, kKBytes, 64);
     cudaFuncSetAttribute(stream, cudaFuncAttributeMaxDynamicSharedMemorySize, 232448);
     cudaEvent_t e0, e1;
     cudaEventCreate(&e0), cudaEventCreate(&e1);
