@@ -11,7 +11,12 @@
 //              and one 128-row half of B, multicast to both CTAs (32 KB a stage from L2); a stage
 //              is refilled once the math of both CTAs has released it
 // Modes: data (no wgmma: what the ring alone sustains), math (wgmma on streamed stages), smem (the
-// producer loads nothing: wgmma on whatever the stages hold, the tensor cores' own rate).
+// producer loads nothing: wgmma on whatever the stages hold, the tensor cores' own rate), split (the
+// kernel's form of the K-block: gate's 128 columns as four m64n128k32 wgmmas into 64 partial sums,
+// wait, promote them into the accumulators with a per-row token scale times the block scale, then up's
+// the same; registers moved to the math warpgroups as the kernel does, 56 / 224), split-smem (that
+// without loads). smem against math says what the operand stream costs the tensor cores; split
+// against math what the kernel's waits and promotions cost.
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I deep_gemm/include \
 //        -I "$(python3 -c 'import deep_gemm.jit as j; print(j.find_cutlass_include())')" \
 //        -o /tmp/operand_probe scripts/prefill_operand_probe.cu
@@ -27,6 +32,7 @@
 #include <cstdlib>
 
 #include <deep_gemm/mma/sm90_wgmma.cuh>
+#include <deep_gemm/ptx/sm90.cuh>
 
 #include "probe_common.cuh"
 
@@ -42,9 +48,11 @@ constexpr int kMBlocks = 16;                  // distinct A tiles (rows of the p
 constexpr int kWTiles = 16;                   // distinct weight tiles
 constexpr int kThreads = 384;
 
-enum Mode { kData = 0, kMath = 1, kSmem = 2 };
+enum Mode { kData = 0, kMath = 1, kSmem = 2, kSplit = 3, kSplitSmem = 4 };
+__host__ __device__ constexpr bool loads(int mode) { return mode != kSmem and mode != kSplitSmem; }
 
 using Mma = deep_gemm::mma::WgmmaSS<cute::SM90::GMMA::MMA_64x256x32_F32E4M3E4M3_SS_TN<>, 128>;
+using HalfMma = deep_gemm::mma::FP8MmaN128;   // 64 partial sums a thread
 
 __device__ __forceinline__ uint32_t cluster_rank() { uint32_t r; asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r)); return r; }
 __device__ __forceinline__ void cluster_sync() {
@@ -72,6 +80,61 @@ __device__ __forceinline__ void wait_cluster(uint64_t* b, uint32_t parity) {
                      : "=r"(done) : "r"(sa(b)), "r"(parity) : "memory");
 }
 
+// One arrival per math warpgroup on stage s's empty barrier of every CTA that shares it
+template <int kCluster>
+__device__ __forceinline__ void release(uint64_t* empty, int s, int wg) {
+    asm volatile("bar.sync %0, 128;\n" :: "r"(wg) : "memory");
+    if (threadIdx.x % 128 == 0) {
+        if constexpr (kCluster > 1) {
+            for (uint32_t c = 0; c < kCluster; ++c) arrive_remote(empty + s, c);
+        } else {
+            mb_arrive(empty + s);
+        }
+    }
+}
+
+// The kernel's K-block (l1_mainloop, FP8 x FP8, 128-row tiles): per half (gate, up) four m64n128k32
+// wgmmas into fresh partial sums, wait, then acc += partial x (token scale of the row x block scale)
+template <int kCluster>
+__device__ __forceinline__ void math_split(uint8_t* smem, uint64_t* full, uint64_t* empty, int wg, int total, long long* cycles) {
+    float acc[2 * HalfMma::kNumAccum];
+    #pragma unroll
+    for (int i = 0; i < 2 * HalfMma::kNumAccum; ++i) acc[i] = 0.0f;
+    const int row = (threadIdx.x % 128) / 32 * 16 + threadIdx.x % 32 / 4;   // the thread's first accumulator row
+    const long long t0 = clock64();
+    for (int it = 0; it < total; ++it) {
+        const int s = it % kStages;
+        mb_wait(full + s, (it / kStages) & 1);
+        uint8_t* stage = smem + s * kStageBytes;
+        // the row's token scales and the block scales, as the kernel reads them from the stage (bytes of
+        // the A tile here: any finite values do for timing)
+        const float* sf = reinterpret_cast<const float*>(stage);
+        const float sa0 = 1.0f + 0.0f * sf[row], sa1 = 1.0f + 0.0f * sf[row + 8];
+        const uint64_t da = deep_gemm::mma::make_k_major_sw128_desc(stage + (wg - 1) * 64 * 128);
+        #pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            float part[HalfMma::kNumAccum];
+            const uint64_t db = deep_gemm::mma::make_k_major_sw128_desc(stage + kABytes + half * (kBBytes / 2));
+            deep_gemm::mma::fence_operands(part);
+            deep_gemm::mma::warpgroup_arrive();
+            HalfMma::fma_k_block(da, db, part, false);
+            deep_gemm::mma::warpgroup_commit();
+            const float sb = 1.0f + 0.0f * sf[64 + half];
+            deep_gemm::mma::warpgroup_wait<0>();
+            deep_gemm::mma::fence_operands(part);
+            #pragma unroll
+            for (int i = 0; i < HalfMma::kNumAccum; ++i)
+                acc[half * HalfMma::kNumAccum + i] += part[i] * (((i / 2) % 2 ? sa1 : sa0) * sb);
+        }
+        release<kCluster>(empty, s, wg);
+    }
+    if (threadIdx.x == 128) cycles[blockIdx.x] = clock64() - t0;
+    float sum = 0.0f;
+    #pragma unroll
+    for (int i = 0; i < 2 * HalfMma::kNumAccum; ++i) sum += acc[i];
+    if (sum == 1234.5f) reinterpret_cast<float*>(smem)[threadIdx.x] = sum;   // keeps the math
+}
+
 template <int kCluster>
 __device__ void body(const CUtensorMap* tm_a, const CUtensorMap* tm_b, int mode, int tasks, float* sink, long long* cycles) {
     extern __shared__ __align__(1024) uint8_t smem[];
@@ -88,58 +151,60 @@ __device__ void body(const CUtensorMap* tm_a, const CUtensorMap* tm_b, int mode,
     // The pair's tasks: the same weight tile, M-blocks 2p and 2p + 1 (one CTA's M-block otherwise)
     const int pair = blockIdx.x / kCluster;
     const int total = tasks * kNumKb;
-    if (threadIdx.x == 0) {
-        for (int it = 0; it < total; ++it) {
-            const int s = it % kStages, kb = it % kNumKb, task = it / kNumKb;
-            const int m_block = (pair * kCluster + rank + task * 7) % kMBlocks, w_tile = (pair + task * 5) % kWTiles;
-            if constexpr (kCluster > 1) wait_cluster(empty + s, ((it / kStages) & 1) ^ 1);
-            else mb_wait(empty + s, ((it / kStages) & 1) ^ 1);
-            const uint32_t a = sa(smem + s * kStageBytes), b = a + kABytes;
-            if (mode == kSmem) { mb_arrive(full + s); continue; }
-            mb_arrive_tx(full + s, kStageBytes);
-            tma_2d(a, tm_a, full + s, kb * 128, m_block * 128);
-            if constexpr (kCluster > 1) {
-                const uint32_t half = kBBytes / kCluster;
-                tma_2d_multicast(b + rank * half, tm_b, full + s, kb * 128, w_tile * 256 + rank * (256 / kCluster),
-                                 static_cast<uint16_t>((1u << kCluster) - 1));
-            } else {
-                tma_2d(b, tm_b, full + s, kb * 128, w_tile * 256);
-            }
-        }
-    } else if (wg >= 1) {
-        float acc[Mma::kNumAccum];
-        #pragma unroll
-        for (int i = 0; i < Mma::kNumAccum; ++i) acc[i] = 0.0f;
-        const long long t0 = clock64();
-        for (int it = 0; it < total; ++it) {
-            const int s = it % kStages;
-            mb_wait(full + s, (it / kStages) & 1);
-            if (mode != kData) {
-                uint8_t* stage = smem + s * kStageBytes;
-                const uint64_t da = deep_gemm::mma::make_k_major_sw128_desc(stage + (wg - 1) * 64 * 128);
-                const uint64_t db = deep_gemm::mma::make_k_major_sw128_desc(stage + kABytes);
-                deep_gemm::mma::fence_operands(acc);
-                deep_gemm::mma::warpgroup_arrive();
-                Mma::fma_k_block(da, db, acc, true);
-                deep_gemm::mma::warpgroup_commit();
-                deep_gemm::mma::warpgroup_wait<0>();
-                deep_gemm::mma::fence_operands(acc);
-            }
-            // one arrival per warpgroup on the stage's empty barrier of every CTA that shares it
-            asm volatile("bar.sync %0, 128;\n" :: "r"(wg) : "memory");
-            if (threadIdx.x % 128 == 0) {
+    // Registers as the kernel moves them: 56 for warpgroup 0, 224 for each math warpgroup (inside each
+    // role's branch, so that ptxas gives the math code the larger budget)
+    if (wg == 0) {
+        deep_gemm::ptx::setmaxnreg_dec<56>();
+        if (threadIdx.x == 0) {
+            for (int it = 0; it < total; ++it) {
+                const int s = it % kStages, kb = it % kNumKb, task = it / kNumKb;
+                const int m_block = (pair * kCluster + rank + task * 7) % kMBlocks, w_tile = (pair + task * 5) % kWTiles;
+                if constexpr (kCluster > 1) wait_cluster(empty + s, ((it / kStages) & 1) ^ 1);
+                else mb_wait(empty + s, ((it / kStages) & 1) ^ 1);
+                const uint32_t a = sa(smem + s * kStageBytes), b = a + kABytes;
+                if (not loads(mode)) { mb_arrive(full + s); continue; }
+                mb_arrive_tx(full + s, kStageBytes);
+                tma_2d(a, tm_a, full + s, kb * 128, m_block * 128);
                 if constexpr (kCluster > 1) {
-                    for (uint32_t c = 0; c < kCluster; ++c) arrive_remote(empty + s, c);
+                    const uint32_t half = kBBytes / kCluster;
+                    tma_2d_multicast(b + rank * half, tm_b, full + s, kb * 128, w_tile * 256 + rank * (256 / kCluster),
+                                     static_cast<uint16_t>((1u << kCluster) - 1));
                 } else {
-                    mb_arrive(empty + s);
+                    tma_2d(b, tm_b, full + s, kb * 128, w_tile * 256);
                 }
             }
         }
-        if (threadIdx.x == 128) cycles[blockIdx.x] = clock64() - t0;
-        float sum = 0.0f;
-        #pragma unroll
-        for (int i = 0; i < Mma::kNumAccum; ++i) sum += acc[i];
-        if (sum == 1234.5f) sink[threadIdx.x] = sum;   // keeps the wgmmas (never true for these bytes)
+    } else {
+        deep_gemm::ptx::setmaxnreg_inc<224>();
+        if (mode == kSplit or mode == kSplitSmem) {
+            math_split<kCluster>(smem, full, empty, wg, total, cycles);
+        } else {
+            float acc[Mma::kNumAccum];
+            #pragma unroll
+            for (int i = 0; i < Mma::kNumAccum; ++i) acc[i] = 0.0f;
+            const long long t0 = clock64();
+            for (int it = 0; it < total; ++it) {
+                const int s = it % kStages;
+                mb_wait(full + s, (it / kStages) & 1);
+                if (mode != kData) {
+                    uint8_t* stage = smem + s * kStageBytes;
+                    const uint64_t da = deep_gemm::mma::make_k_major_sw128_desc(stage + (wg - 1) * 64 * 128);
+                    const uint64_t db = deep_gemm::mma::make_k_major_sw128_desc(stage + kABytes);
+                    deep_gemm::mma::fence_operands(acc);
+                    deep_gemm::mma::warpgroup_arrive();
+                    Mma::fma_k_block(da, db, acc, true);
+                    deep_gemm::mma::warpgroup_commit();
+                    deep_gemm::mma::warpgroup_wait<0>();
+                    deep_gemm::mma::fence_operands(acc);
+                }
+                release<kCluster>(empty, s, wg);
+            }
+            if (threadIdx.x == 128) cycles[blockIdx.x] = clock64() - t0;
+            float sum = 0.0f;
+            #pragma unroll
+            for (int i = 0; i < Mma::kNumAccum; ++i) sum += acc[i];
+            if (sum == 1234.5f) sink[threadIdx.x] = sum;   // keeps the wgmmas (never true for these bytes)
+        }
     }
     // No CTA leaves while its peer may still multicast into it or arrive on its barriers
     __syncwarp();
@@ -191,13 +256,13 @@ int main() {
     cudaEvent_t e0, e1;
     cudaEventCreate(&e0), cudaEventCreate(&e1);
     const int tasks = 24;
-    const char* names[] = {"data", "math", "smem"};
+    const char* names[] = {"data", "math", "smem", "split", "split-smem"};
     std::printf("# %d CTAs, %d tasks of %d K-blocks each, %d stages of %d KB; A %d KB + B %d KB a stage\n", grid, tasks, kNumKb,
                 kStages, kStageBytes / 1024, kABytes / 1024, kBBytes / 1024);
-    std::printf("%7s %5s %10s %12s %14s %16s\n", "cluster", "mode", "us", "ns/K-block", "cycles/K-block", "L2 -> SM GB/s");
+    std::printf("%7s %10s %10s %12s %14s %16s\n", "cluster", "mode", "us", "ns/K-block", "cycles/K-block", "L2 -> SM GB/s");
     for (int round = 0; round < 2; ++round)
     for (int cluster : {1, 2})
-    for (int mode : {kData, kMath, kSmem}) {
+    for (int mode : {kData, kMath, kSmem, kSplit, kSplitSmem}) {
         const float best = best_of_3_ms(e0, e1, [&] {
             if (cluster == 1) probe1<<<grid, kThreads, smem>>>(tm_a, tm_b1, mode, tasks, sink, cycles);
             else probe2<<<grid, kThreads, smem>>>(tm_a, tm_b2, mode, tasks, sink, cycles);
@@ -210,8 +275,8 @@ int main() {
         for (int i = 0; i < grid; ++i) mean_cycles += double(host_cycles[i]) / grid;
         const int kbs = tasks * kNumKb;
         // bytes each SM takes from L2: A + B (cluster 1) or A + half of B (cluster 2); none in smem mode
-        const double l2_bytes = mode == kSmem ? 0.0 : double(grid) * kbs * (kABytes + kBBytes / cluster);
-        std::printf("%7d %5s %10.1f %12.1f %14.0f %16.0f\n", cluster, names[mode], best * 1e3, best * 1e6 / kbs, mean_cycles / kbs,
+        const double l2_bytes = not loads(mode) ? 0.0 : double(grid) * kbs * (kABytes + kBBytes / cluster);
+        std::printf("%7d %10s %10.1f %12.1f %14.0f %16.0f\n", cluster, names[mode], best * 1e3, best * 1e6 / kbs, mean_cycles / kbs,
                     l2_bytes / (best * 1e-3) / 1e9);
     }
     return 0;
