@@ -412,15 +412,17 @@ def test_fp4_prefill_idle_warpgroup(ns, seed, routing, sms):
 # FP8 x FP4 at 128-176 expected tokens per expert takes BLOCK_M 64 unforced (docs/PERF.md, session
 # 47): every expert runs two or three M-blocks of 64 as transposed N = 64 tiles, the last partial.
 # mid at n = 2304 (144 per expert), with masks, on two virtual ranks (150 and ~138 per expert), and
-# on two whose kernels differ (150 per expert: BLOCK_M 64; 75: 128): each rank lays out its own pools
-@pytest.mark.parametrize('ns, block_ms, seed, routing', [([2304], [64], 74, {}), ([2304], [64], 75, {'mask_frac': 0.2}),
-                                                         ([1200, 1100], [64, 64], 76, {'mask_frac': 0.1}),
-                                                         ([1200, 600], [64, 128], 77, {})])
+# on two whose kernels differ (150 per expert: BLOCK_M 64; 75: 128): each rank lays out its own pools;
+# and deepseek-v3 at n = 4608 (144 per expert: ~600 M-blocks of 64, 2-3 an expert)
+@pytest.mark.parametrize('shape, ns, block_ms, seed, routing', [
+    (MID, [2304], [64], 74, {}), (MID, [2304], [64], 75, {'mask_frac': 0.2}),
+    (MID, [1200, 1100], [64, 64], 76, {'mask_frac': 0.1}), (MID, [1200, 600], [64, 128], 77, {}),
+    (BIG, [4608], [64], 78, {'mask_frac': 0.1})])
 @pytest.mark.fp8xfp4
-def test_fp4_block_m_64_band(ns, block_ms, seed, routing):
-    picked = [v[1] for v in picked_variants('fp8xfp4', MID, ns)]
+def test_fp4_block_m_64_band(shape, ns, block_ms, seed, routing):
+    picked = [v[1] for v in picked_variants('fp8xfp4', shape, ns)]
     assert picked == block_ms, f'n = {ns}: BLOCK_M {picked}, the case covers {block_ms}'
-    check_case('fp8xfp4', *MID, ns, seed, **routing)
+    check_case('fp8xfp4', *shape, ns, seed, **routing)
 
 
 # FP8 x FP4 prefill tiles (expand_fp4_tile) with deltas whose table rows hold E4M3 subnormals: 1 % of
