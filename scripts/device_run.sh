@@ -7,6 +7,7 @@
 #   DG_RUN_BENCH=1: then `python -m deep_gemm.bench --quick`; =full: the benchmark of record (every
 #   shape, format and token count, 30 replays: ~45 s on a warm H100, so it fits the call after the
 #   ~230 s suite); json, png and log under $OUT
+#   DG_RUN_OPERAND_PROBE=1: then scripts/device_operand_probe.sh (~1 minute; $OUT/operand_probe.txt)
 #
 # .whl holds nvidia-cutlass (CuTe headers); .jit_cache holds kernels compiled on the CPU machine
 # (`python scripts/prebuild_kernels.py`), so nvcc time is not spent on device time.
@@ -69,4 +70,7 @@ case "${DG_RUN_BENCH:-0}" in
     0) ;;
     *) echo "DG_RUN_BENCH=${DG_RUN_BENCH}: expected 0, 1 (quick) or full" ;;
 esac
+if [ "${DG_RUN_OPERAND_PROBE:-0}" = "1" ]; then
+    bash scripts/device_operand_probe.sh 2>&1 | tail -30
+fi
 exit $status
