@@ -8,6 +8,7 @@
 #   shape, format and token count, 30 replays: ~45 s on a warm H100, so it fits the call after the
 #   ~230 s suite); json, png and log under $OUT
 #   DG_RUN_OPERAND_PROBE=1: then scripts/device_operand_probe.sh (~1 minute; $OUT/operand_probe.txt)
+#   DG_RUN_HOST_OVERHEAD=1: then scripts/host_overhead.py (host us per eager call; $OUT/host_overhead.txt)
 #
 # .whl holds nvidia-cutlass (CuTe headers); .jit_cache holds kernels compiled on the CPU machine
 # (`python scripts/prebuild_kernels.py`), so nvcc time is not spent on device time.
@@ -70,6 +71,9 @@ case "${DG_RUN_BENCH:-0}" in
     0) ;;
     *) echo "DG_RUN_BENCH=${DG_RUN_BENCH}: expected 0, 1 (quick) or full" ;;
 esac
+if [ "${DG_RUN_HOST_OVERHEAD:-0}" = "1" ]; then
+    timeout -k 5 120 python3 scripts/host_overhead.py 2>&1 | tee "$OUT/host_overhead.txt" | tail -8
+fi
 if [ "${DG_RUN_OPERAND_PROBE:-0}" = "1" ]; then
     bash scripts/device_operand_probe.sh 2>&1 | tail -30
 fi
