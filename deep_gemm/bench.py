@@ -492,6 +492,8 @@ def plot_rows(rows: Sequence[Dict[str, object]], path: str, title: str = '') -> 
 # --------------------------------------------------------------------------------------------------
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """`python -m deep_gemm.bench`: the sweep (or, without an SM90 GPU, the CPU reference row), the table,
+    optional JSON and plot. Returns the exit status: 1 when a row raised or mismatched."""
     args = parse_args(argv)
     if args.ep > 1:
         ep_bench.select_torchrun_device()

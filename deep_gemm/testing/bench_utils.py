@@ -322,6 +322,8 @@ class TorchMoEBaseline:
 
     def forward(self, x: torch.Tensor, x_sf: Optional[torch.Tensor], topk_idx: torch.Tensor,
                 topk_weights: torch.Tensor, mode: str) -> torch.Tensor:
+        """The MoE layer on these inputs with the GEMM path `mode` (the scaled FP8 grouped GEMM, or BF16 on
+        dequantized operands): route, L1, SwiGLU, L2, weighted top-k sum; bfloat16 [n, hidden]."""
         n = x.shape[0]
         r = route(topk_idx, topk_weights, self.num_experts)
         if mode == GEMM_SCALED:

@@ -118,6 +118,7 @@ class AllToAllMoEBaseline:
         self.error: Optional[str] = None
 
     def describe(self) -> str:
+        """What the baseline runs, for the table's `baseline` column."""
         return f'all_to_all + {self.local.describe()} + all_to_all'
 
     def dispatch(self, x: torch.Tensor, x_sf: Optional[torch.Tensor], topk_idx: torch.Tensor,

@@ -35,6 +35,10 @@ class MoEWeights:
 def make_weights(mma_type: str, hidden: int, intermediate: int, num_experts: int, num_ranks: int,
                  seed: int, device='cuda', pow2_scales: Optional[bool] = None,
                  fp4_options: Optional[dict] = None) -> MoEWeights:
+    """Random weights of E experts in `mma_type`'s format: per rank its local experts transformed for the
+    kernel, and the exact values the kernel computes with (l1_ref / l2_ref, for the reference). FP8
+    layers above 2^28 weights get power-of-two block scales (exact BF16 reference storage); FP8 x FP4
+    takes `fp4_options` (see fp4_weight)."""
     g = torch.Generator(device=device).manual_seed(seed)
     e_local = num_experts // num_ranks
     if pow2_scales is None:
@@ -152,6 +156,8 @@ def make_routing(n: int, num_experts: int, topk: int, g: torch.Generator, device
 
 def make_inputs(mma_type: str, ns: Sequence[int], hidden: int, num_experts: int, topk: int, seed: int,
                 device='cuda', **routing) -> List[RankInputs]:
+    """Per rank: n random tokens (BF16, and their E4M3 + scales for FP8 formats) with routing from
+    make_routing (`routing`: mask_frac, hot_expert, experts_allowed)."""
     g = torch.Generator(device=device).manual_seed(seed)
     out = []
     for n in ns:
@@ -238,4 +244,5 @@ def run_ranks(weights: MoEWeights, inputs: List[RankInputs], buffers, activation
 
 def make_buffers(mma_type: str, num_ranks: int, num_experts: int, n_max: int, topk: int, hidden: int,
                  intermediate: int):
+    """One SymmBuffer per (virtual) rank on the current GPU (`make_virtual_ranks`)."""
     return make_virtual_ranks(num_ranks, num_experts, n_max, topk, hidden, intermediate, mma_type)
