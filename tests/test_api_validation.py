@@ -377,3 +377,27 @@ def test_prepare_mega_moe_kernels_bad_arguments():
         mega.prepare_mega_moe_kernels(buf.buffer)
     with pytest.raises(TypeError, match='fast_math = 1 must be a bool'):
         mega.prepare_mega_moe_kernels(buf, 1, fast_math=1)
+
+
+def test_every_public_python_function_has_a_docstring():
+    # DESIGN.md §1: everything reachable from Python has a docstring. Every module of the package, its
+    # public functions and classes and their public methods (names without a leading underscore)
+    import importlib
+    import inspect
+    import pkgutil
+
+    import deep_gemm
+    missing = []
+    for info in pkgutil.walk_packages(deep_gemm.__path__, 'deep_gemm.'):
+        module = importlib.import_module(info.name)
+        assert module.__doc__, info.name
+        for name, obj in vars(module).items():
+            if name.startswith('_') or getattr(obj, '__module__', None) != module.__name__:
+                continue
+            if inspect.isfunction(obj) or inspect.isclass(obj):
+                if not obj.__doc__:
+                    missing.append(f'{module.__name__}.{name}')
+                if inspect.isclass(obj):
+                    missing += [f'{module.__name__}.{name}.{m}' for m, f in vars(obj).items()
+                                if not m.startswith('_') and inspect.isfunction(f) and not f.__doc__]
+    assert not missing, missing
