@@ -101,7 +101,6 @@ def main(argv=None):
     keys = []
     if args.all:
         sys.path.insert(0, os.path.join(ROOT, 'scripts'))
-        sys.path.insert(0, ROOT)
         import prebuild_kernels   # noqa: E402 (the working tree's variant list)
         keys = [list(k) for k in prebuild_kernels.variants(tuple(args.all))]
     entries = {}

@@ -32,15 +32,13 @@ from deep_gemm import _C  # noqa: E402
 from deep_gemm.mega.buffer import MMA_TYPES  # noqa: E402
 from deep_gemm.mega.launch import SM90_HBM_GBPS, SM90_MAX_SMEM, SM90_NUM_SMS, kernel_variant  # noqa: E402
 
-H200_SMEM = SM90_MAX_SMEM
-H200_SMS = SM90_NUM_SMS
-H200_HBM_GBPS = SM90_HBM_GBPS['H200']   # the launcher's bandwidth-dependent picks (the CTA pair with N = 16 / 32 tiles) as on the H200
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_FORMATS = ('fp8xfp8', 'bf16xbf16')
 
 
 def _key(fmt, n, num_ranks, experts, topk, hidden, inter, fast):
-    return kernel_variant(fmt, num_ranks, experts, topk, hidden, inter, n, H200_SMS, H200_SMEM, fast, hbm_gbps=H200_HBM_GBPS)
+    return kernel_variant(fmt, num_ranks, experts, topk, hidden, inter, n, SM90_NUM_SMS, SM90_MAX_SMEM, fast,
+                          hbm_gbps=SM90_HBM_GBPS['H200'])   # the bandwidth-dependent picks (the CTA pair's N = 16 / 32 tiles) as on the H200
 
 
 def variants(formats=DEFAULT_FORMATS):
@@ -77,7 +75,7 @@ def variants(formats=DEFAULT_FORMATS):
     # FP8 x FP4 CTA pairs: the stages of the pair's config (half an SM's shared memory)
     if 'fp8xfp4' in formats:
         t = MMA_TYPES['fp8xfp4']
-        pair = _C.get_mega_moe_config(t, 1, 256, 8, 7168, 2048, 1, H200_SMS, H200_SMEM, cta_pair=1)
+        pair = _C.get_mega_moe_config(t, 1, 256, 8, 7168, 2048, 1, SM90_NUM_SMS, SM90_MAX_SMEM, cta_pair=1)
         keys += [(t, 64, pair['num_stages'], fast, width, wide, sig, True)
                  for wide in (64, 16) for width in (128, 256) for sig in (False, True) for fast in (True, False)]
     return list(dict.fromkeys(keys))

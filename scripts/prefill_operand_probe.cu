@@ -73,12 +73,6 @@ __device__ __forceinline__ void arrive_remote(uint64_t* bar, uint32_t cta) {
     asm volatile("{\n .reg .b32 ra;\n mapa.shared::cluster.u32 ra, %0, %1;\n"
                  " mbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra];\n}\n" :: "r"(sa(bar)), "r"(cta) : "memory");
 }
-__device__ __forceinline__ void wait_cluster(uint64_t* b, uint32_t parity) {
-    uint32_t done = 0;
-    while (!done)
-        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-                     : "=r"(done) : "r"(sa(b)), "r"(parity) : "memory");
-}
 
 // One arrival per math warpgroup on stage s's empty barrier of every CTA that shares it
 template <int kCluster>
@@ -159,8 +153,7 @@ __device__ void body(const CUtensorMap* tm_a, const CUtensorMap* tm_b, int mode,
             for (int it = 0; it < total; ++it) {
                 const int s = it % kStages, kb = it % kNumKb, task = it / kNumKb;
                 const int m_block = (pair * kCluster + rank + task * 7) % kMBlocks, w_tile = (pair + task * 5) % kWTiles;
-                if constexpr (kCluster > 1) wait_cluster(empty + s, ((it / kStages) & 1) ^ 1);
-                else mb_wait(empty + s, ((it / kStages) & 1) ^ 1);
+                mb_wait<(kCluster > 1)>(empty + s, ((it / kStages) & 1) ^ 1);
                 const uint32_t a = sa(smem + s * kStageBytes), b = a + kABytes;
                 if (not loads(mode)) { mb_arrive(full + s); continue; }
                 mb_arrive_tx(full + s, kStageBytes);

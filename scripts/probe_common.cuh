@@ -21,11 +21,19 @@ __device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t
                  :: "r"(dst), "l"(reinterpret_cast<uint64_t>(src)), "r"(bytes), "r"(sa(bar)) : "memory");
 }
 __device__ __forceinline__ uint64_t now_ns() { uint64_t t; asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t)); return t; }
+// kCluster: acquire at cluster scope (arrivals from other CTAs of the cluster order their reads of
+// the stage before the waiter's next writes into it)
+template <bool kCluster = false>
 __device__ __forceinline__ void mb_wait(uint64_t* b, uint32_t parity) {
     uint32_t done = 0;
-    while (!done)
-        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-                     : "=r"(done) : "r"(sa(b)), "r"(parity) : "memory");
+    while (!done) {
+        if constexpr (kCluster)
+            asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+                         : "=r"(done) : "r"(sa(b)), "r"(parity) : "memory");
+        else
+            asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+                         : "=r"(done) : "r"(sa(b)), "r"(parity) : "memory");
+    }
 }
 
 // Milliseconds of the fastest of three runs of launch() (events e0, e1 around each)

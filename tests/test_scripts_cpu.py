@@ -31,7 +31,8 @@ def test_cuda_probe_compiles_for_sm90a(path, tmp_path, requires_nvcc):
     still compile as docs/PERF.md says (to an object file: a link-time break would not show here), with
     the package's headers and CuTe's on the include path (the operand probe's wgmma atoms)."""
     from deep_gemm import jit
-    includes = ['-I', jit.include_dir()] + (['-I', jit.find_cutlass_include()] if jit.find_cutlass_include() else [])
+    cutlass = jit.find_cutlass_include()
+    includes = ['-I', jit.include_dir()] + (['-I', cutlass] if cutlass else [])
     result = subprocess.run([requires_nvcc, '-O2', '-std=c++17', '-gencode=arch=compute_90a,code=sm_90a', *includes, '-c', path, '-o',
                              str(tmp_path / 'probe.o')], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
