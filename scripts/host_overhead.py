@@ -8,6 +8,8 @@ so the host is not held by the GPU) of:
   entry      `deep_gemm.fp8_mega_moe(...)` etc.: argument checks, status mirror check, launch
   checks     the entry point's argument checks alone (`deep_gemm.mega.api._validate`)
   launcher   `deep_gemm.mega.launch.launch_mega_moe` (Python launcher: addresses, status, `_C` call)
+  _C         `_C.launch_mega_moe` alone, with the arguments the launcher passed (C++: pybind11's argument
+             conversion, the heuristic, the launch plan or its tensor maps, cuLaunchKernelEx)
   replay     a CUDA graph of the same call, `graph.replay()` (what a server that captures pays)
 Needs an SM90 GPU.
 """
@@ -38,6 +40,32 @@ def per_call_us(fn, calls: int, rounds: int = 15) -> float:
     return statistics.median(times)
 
 
+class _CaptureC:
+    """Stands in for `launch._C` for one call: records the arguments of `_C.launch_mega_moe`."""
+
+    def __init__(self, real):
+        self.real, self.calls = real, []
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def launch_mega_moe(self, *args, **kwargs):
+        self.calls.append((args, kwargs))
+        return self.real.launch_mega_moe(*args, **kwargs)
+
+
+def captured_c_args(call):
+    """The (args, kwargs) `launch.launch_mega_moe` passes to `_C.launch_mega_moe` in `call()`."""
+    capture = _CaptureC(launch._C)
+    launch._C = capture
+    try:
+        call()
+    finally:
+        launch._C = capture.real
+    (args_kwargs,) = capture.calls
+    return args_kwargs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument('--calls', type=int, default=64, help='calls per timed round (below the launch queue depth)')
@@ -47,7 +75,7 @@ def main() -> None:
     if len(cases) % 6:
         parser.error(f'cases come in groups of 6 (fmt hidden inter experts topk n), got {len(cases)} values')
     print(f'# {torch.cuda.get_device_name()}: host us per call, median of 15 rounds of {args.calls} calls')
-    print(f'{"case":<34} {"entry":>7} {"checks":>7} {"launcher":>9} {"replay":>7}')
+    print(f'{"case":<34} {"entry":>7} {"checks":>7} {"launcher":>9} {"_C":>7} {"replay":>7}')
     for c in range(0, len(cases), 6):
         fmt = cases[c]
         h, i, e, k, n = map(int, cases[c + 1:c + 6])
@@ -59,16 +87,18 @@ def main() -> None:
         entry = mega_api.mega_moe_function(fmt)
         name = mega_api.MEGA_MOE_FUNCTIONS[fmt]
         graph, _ = capture_graph(lambda: entry(y, l1, l2, buf))
+        c_args, c_kwargs = captured_c_args(lambda: launch.launch_mega_moe(fmt, y, l1, l2, buf, None, None, True))
         row = [
             per_call_us(lambda: entry(y, l1, l2, buf), args.calls),
             per_call_us(lambda: mega_api._validate(fmt, y, l1, l2, buf, None, 'swiglu', None, True, name), args.calls),
             per_call_us(lambda: launch.launch_mega_moe(fmt, y, l1, l2, buf, None, None, True), args.calls),
+            per_call_us(lambda: launch._C.launch_mega_moe(*c_args, **c_kwargs), args.calls),
             per_call_us(graph.replay, args.calls),
         ]
         buf.check()
-        print(f'{fmt + f" {h}/{i}/{e}/{k} n={n}":<34} ' + ' '.join(f'{v:>{wd}.1f}' for v, wd in zip(row, (7, 7, 9, 7))),
+        print(f'{fmt + f" {h}/{i}/{e}/{k} n={n}":<34} ' + ' '.join(f'{v:>{wd}.1f}' for v, wd in zip(row, (7, 7, 9, 7, 7))),
               flush=True)
-        del w, l1, l2, buf, inputs, y, graph
+        del w, l1, l2, buf, inputs, y, graph, c_args, c_kwargs
 
 
 if __name__ == '__main__':

@@ -9,7 +9,8 @@
 //   cluster 1: every CTA loads its A and the whole B tile (48 KB a stage from L2: the kernel today)
 //   cluster 2: CTA pairs work on two M-blocks of one expert's weight tile: each loads its own A
 //              and one 128-row half of B, multicast to both CTAs (32 KB a stage from L2); a stage
-//              is refilled once the math of both CTAs has released it
+//              is refilled once the math of both CTAs has released it (2: the releases at CTA scope;
+//              2/rc: at cluster scope, session 47's form, whose cost on the math's path hid the rest)
 // Modes: data (no wgmma: what the ring alone sustains), math (wgmma on streamed stages), smem (the
 // producer loads nothing: wgmma on whatever the stages hold, the tensor cores' own rate), split (the
 // kernel's form of the K-block: gate's 128 columns as four m64n128k32 wgmmas into 64 partial sums,
@@ -69,18 +70,28 @@ __device__ __forceinline__ void tma_2d_multicast(uint32_t dst, const CUtensorMap
                  " [%0], [%1, {%3, %4}], [%2], %5;\n"
                  :: "r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(sa(bar)), "r"(x), "r"(y), "h"(mask) : "memory");
 }
+// An arrival on `bar`'s offset in CTA `cta` of the cluster. kClusterScope: with release semantics at
+// cluster scope (session 47's form: the arriving thread first makes its earlier memory accesses
+// visible to the cluster, measured ~650 cycles an arrival, on the math warpgroup's path); else at the
+// default CTA scope, as CUTLASS's ClusterBarrier::arrive(cta_id) does: a stage's release only says that
+// the wgmmas reading it are done (warpgroup_wait), which orders nothing through memory
+template <bool kClusterScope>
 __device__ __forceinline__ void arrive_remote(uint64_t* bar, uint32_t cta) {
-    asm volatile("{\n .reg .b32 ra;\n mapa.shared::cluster.u32 ra, %0, %1;\n"
-                 " mbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra];\n}\n" :: "r"(sa(bar)), "r"(cta) : "memory");
+    if constexpr (kClusterScope)
+        asm volatile("{\n .reg .b32 ra;\n mapa.shared::cluster.u32 ra, %0, %1;\n"
+                     " mbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra];\n}\n" :: "r"(sa(bar)), "r"(cta) : "memory");
+    else
+        asm volatile("{\n .reg .b32 ra;\n mapa.shared::cluster.u32 ra, %0, %1;\n"
+                     " mbarrier.arrive.shared::cluster.b64 _, [ra];\n}\n" :: "r"(sa(bar)), "r"(cta) : "memory");
 }
 
 // One arrival per math warpgroup on stage s's empty barrier of every CTA that shares it
-template <int kCluster>
+template <int kCluster, bool kClusterScope>
 __device__ __forceinline__ void release(uint64_t* empty, int s, int wg) {
     asm volatile("bar.sync %0, 128;\n" :: "r"(wg) : "memory");
     if (threadIdx.x % 128 == 0) {
         if constexpr (kCluster > 1) {
-            for (uint32_t c = 0; c < kCluster; ++c) arrive_remote(empty + s, c);
+            for (uint32_t c = 0; c < kCluster; ++c) arrive_remote<kClusterScope>(empty + s, c);
         } else {
             mb_arrive(empty + s);
         }
@@ -89,7 +100,7 @@ __device__ __forceinline__ void release(uint64_t* empty, int s, int wg) {
 
 // The kernel's K-block (l1_mainloop, FP8 x FP8, 128-row tiles): per half (gate, up) four m64n128k32
 // wgmmas into fresh partial sums, wait, then acc += partial x (token scale of the row x block scale)
-template <int kCluster>
+template <int kCluster, bool kClusterScope>
 __device__ __forceinline__ void math_split(uint8_t* smem, uint64_t* full, uint64_t* empty, int wg, int total, long long* cycles) {
     float acc[2 * HalfMma::kNumAccum];
     #pragma unroll
@@ -120,7 +131,7 @@ __device__ __forceinline__ void math_split(uint8_t* smem, uint64_t* full, uint64
             for (int i = 0; i < HalfMma::kNumAccum; ++i)
                 acc[half * HalfMma::kNumAccum + i] += part[i] * (((i / 2) % 2 ? sa1 : sa0) * sb);
         }
-        release<kCluster>(empty, s, wg);
+        release<kCluster, kClusterScope>(empty, s, wg);
     }
     if (threadIdx.x == 128) cycles[blockIdx.x] = clock64() - t0;
     float sum = 0.0f;
@@ -129,7 +140,7 @@ __device__ __forceinline__ void math_split(uint8_t* smem, uint64_t* full, uint64
     if (sum == 1234.5f) reinterpret_cast<float*>(smem)[threadIdx.x] = sum;   // keeps the math
 }
 
-template <int kCluster>
+template <int kCluster, bool kClusterScope>
 __device__ void body(const CUtensorMap* tm_a, const CUtensorMap* tm_b, int mode, int tasks, float* sink, long long* cycles) {
     extern __shared__ __align__(1024) uint8_t smem[];
     auto* full = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
@@ -170,7 +181,7 @@ __device__ void body(const CUtensorMap* tm_a, const CUtensorMap* tm_b, int mode,
     } else {
         deep_gemm::ptx::setmaxnreg_inc<224>();
         if (mode == kSplit or mode == kSplitSmem) {
-            math_split<kCluster>(smem, full, empty, wg, total, cycles);
+            math_split<kCluster, kClusterScope>(smem, full, empty, wg, total, cycles);
         } else {
             float acc[Mma::kNumAccum];
             #pragma unroll
@@ -190,7 +201,7 @@ __device__ void body(const CUtensorMap* tm_a, const CUtensorMap* tm_b, int mode,
                     deep_gemm::mma::warpgroup_wait<0>();
                     deep_gemm::mma::fence_operands(acc);
                 }
-                release<kCluster>(empty, s, wg);
+                release<kCluster, kClusterScope>(empty, s, wg);
             }
             if (threadIdx.x == 128) cycles[blockIdx.x] = clock64() - t0;
             float sum = 0.0f;
@@ -206,12 +217,13 @@ __device__ void body(const CUtensorMap* tm_a, const CUtensorMap* tm_b, int mode,
 
 __global__ void __launch_bounds__(kThreads, 1) probe1(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b,
                                                        int mode, int tasks, float* sink, long long* cycles) {
-    body<1>(&tm_a, &tm_b, mode, tasks, sink, cycles);
+    body<1, false>(&tm_a, &tm_b, mode, tasks, sink, cycles);
 }
+template <bool kClusterScope>
 __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kThreads, 1) probe2(const __grid_constant__ CUtensorMap tm_a,
                                                                                 const __grid_constant__ CUtensorMap tm_b,
                                                                                 int mode, int tasks, float* sink, long long* cycles) {
-    body<2>(&tm_a, &tm_b, mode, tasks, sink, cycles);
+    body<2, kClusterScope>(&tm_a, &tm_b, mode, tasks, sink, cycles);
 }
 
 }  // namespace
@@ -230,7 +242,8 @@ int main() {
     cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, 0);
     const int smem = kStages * kStageBytes + 2 * kStages * 8;
     cudaFuncSetAttribute(probe1, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    cudaFuncSetAttribute(probe2, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    cudaFuncSetAttribute(probe2<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    cudaFuncSetAttribute(probe2<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     // Clusters are placed within a GPC: with one CTA an SM, GPCs of odd SM counts leave an SM idle.
     // Both cluster sizes run on the CTAs that 2-CTA clusters can hold at once (one wave each)
     cudaLaunchConfig_t cfg = {};
@@ -238,7 +251,7 @@ int main() {
     cfg.blockDim = dim3(kThreads);
     cfg.dynamicSmemBytes = smem;
     int max_clusters = 0;
-    if (cudaOccupancyMaxActiveClusters(&max_clusters, probe2, &cfg) != cudaSuccess or max_clusters <= 0) {
+    if (cudaOccupancyMaxActiveClusters(&max_clusters, probe2<false>, &cfg) != cudaSuccess or max_clusters <= 0) {
         std::printf("cudaOccupancyMaxActiveClusters failed\n");
         return 1;
     }
@@ -254,11 +267,13 @@ int main() {
                 kStages, kStageBytes / 1024, kABytes / 1024, kBBytes / 1024);
     std::printf("%7s %10s %10s %12s %14s %16s\n", "cluster", "mode", "us", "ns/K-block", "cycles/K-block", "L2 -> SM GB/s");
     for (int round = 0; round < 2; ++round)
-    for (int cluster : {1, 2})
+    for (int config : {1, 2, 3})   // cluster 1; cluster 2 (CTA-scope releases); "2/rc": cluster 2, cluster-scope releases
     for (int mode : {kData, kMath, kSmem, kSplit, kSplitSmem}) {
+        const int cluster = config == 1 ? 1 : 2;
         const float best = best_of_3_ms(e0, e1, [&] {
-            if (cluster == 1) probe1<<<grid, kThreads, smem>>>(tm_a, tm_b1, mode, tasks, sink, cycles);
-            else probe2<<<grid, kThreads, smem>>>(tm_a, tm_b2, mode, tasks, sink, cycles);
+            if (config == 1) probe1<<<grid, kThreads, smem>>>(tm_a, tm_b1, mode, tasks, sink, cycles);
+            else if (config == 2) probe2<false><<<grid, kThreads, smem>>>(tm_a, tm_b2, mode, tasks, sink, cycles);
+            else probe2<true><<<grid, kThreads, smem>>>(tm_a, tm_b2, mode, tasks, sink, cycles);
         });
         const cudaError_t err = cudaDeviceSynchronize();
         if (err != cudaSuccess) { std::printf("error: %s\n", cudaGetErrorString(err)); return 1; }
@@ -269,7 +284,7 @@ int main() {
         const int kbs = tasks * kNumKb;
         // bytes each SM takes from L2: A + B (cluster 1) or A + half of B (cluster 2); none in smem mode
         const double l2_bytes = not loads(mode) ? 0.0 : double(grid) * kbs * (kABytes + kBBytes / cluster);
-        std::printf("%7d %10s %10.1f %12.1f %14.0f %16.0f\n", cluster, names[mode], best * 1e3, best * 1e6 / kbs, mean_cycles / kbs,
+        std::printf("%7s %10s %10.1f %12.1f %14.0f %16.0f\n", config == 1 ? "1" : config == 2 ? "2" : "2/rc", names[mode], best * 1e3, best * 1e6 / kbs, mean_cycles / kbs,
                     l2_bytes / (best * 1e-3) / 1e9);
     }
     return 0;

@@ -493,6 +493,33 @@ def test_back_to_back_changing_calls(mma_type):
         b.check()
 
 
+@pytest.mark.parametrize('mma_type', FORMATS)
+def test_launch_plans_follow_weights_and_buffers(mma_type):
+    """The launcher reuses a launch plan (tensor maps, parameter block) across calls with the same
+    buffer, weights and variant: calls alternating between two weight sets and two buffers must each
+    read their own (a plan keyed on too little would launch one call with another's weights or pool),
+    and a repeated call builds no plan."""
+    hidden, inter, experts, topk = SMALL
+    ws = [mc.make_weights(mma_type, hidden, inter, experts, 1, seed=s) for s in (40, 41)]
+    bufs = [mc.make_buffers(mma_type, 1, experts, 64, topk, hidden, inter)[0] for _ in range(2)]
+    built = []
+    for round_ in range(2):
+        before = _C.get_num_mega_moe_plans_built()
+        for c, (w, buf) in enumerate([(w, b) for w in ws for b in bufs]):
+            inputs = mc.make_inputs(mma_type, [37], hidden, experts, topk, seed=100 * round_ + c)
+            (y,) = mc.run_ranks(w, inputs, [buf])
+            assert not torch.isnan(y).any()
+            d = calc_diff(y.float(), mc.reference(w, inputs[0]))
+            record_diff(mma_type, d)
+            assert d < TOL[mma_type], f'round {round_}, weights {c // 2}, buffer {c % 2}: calc_diff {d:.3e}'
+        built.append(_C.get_num_mega_moe_plans_built() - before)
+    # n = 37 everywhere: one variant, so at most one plan per (weights, buffer), all in the first round
+    # (fewer where an earlier test's tensors had the same addresses: their plan is the same one)
+    assert built[0] <= 4 and built[1] == 0, f'plans built per round: {built}'
+    for b in bufs:
+        b.check()
+
+
 # n = 200: 12.5 tokens per expert; n = 32 (FP8 x FP4): the heuristic's CTA pair on the whole GPU
 @pytest.mark.parametrize('mma_type, n', [(f, 200) for f in FORMATS] + [('fp8xfp4', 32)])
 def test_cuda_graph_replay(mma_type, n):

@@ -52,6 +52,10 @@ inline void register_apis(py::module_& m) {
           "Launch one rank's Mega MoE kernel (addresses as ints; validated by deep_gemm.mega.api). hbm_gbps:\n"
           "the GPU's peak HBM bandwidth in GB/s (get_device_info), -1 the current device's.");
 
+    m.def("get_num_mega_moe_plans_built", [] { return jit_kernels::num_sm90_mega_moe_plans_built().load(); },
+          "Launch plans (kernel, parameter block, tensor maps) built in this process: a call reuses the plan of\n"
+          "earlier calls with the same buffers, weights, GPU and kernel variant (tests, host-overhead checks).");
+
     m.def("launch_mega_moe_stage",
           [](int mma_type, int num_ranks, int num_experts, int num_max_tokens_per_rank, int num_topk, int hidden,
              int intermediate_hidden, int64_t buffer, int64_t x, int64_t x_row_stride, int64_t topk_idx,

@@ -73,7 +73,7 @@ def _check_weights(arg: str, weights: object, spec: _WeightSpec, device: torch.d
             raise TypeError(f'{what} must be a torch.Tensor, got {type(t).__name__}')
         if t.dtype != dtype:
             raise TypeError(f'{what} must be {dtype}, got {t.dtype} (expected {arg} = {_describe(spec)})')
-        if tuple(t.shape) != tuple(shape):
+        if t.shape != shape:   # torch.Size against a tuple, no copy
             raise ValueError(f'{what} must have shape {list(shape)}, got {list(t.shape)} (expected {arg} = {_describe(spec)})')
         if t.device != device:
             raise ValueError(f'{what} must be on {device} (the buffer\'s device), got {t.device}')

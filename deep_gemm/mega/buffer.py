@@ -103,6 +103,7 @@ class SymmBuffer:
         # sharing one GPU each get a slice so that all of them are resident at once.
         self.num_sms: Optional[int] = None
         self._host_status: Optional[torch.Tensor] = None
+        self._host_status_words = None   # a numpy view of _host_status (status.host_status)
 
         n, h, k = num_max_tokens_per_rank, hidden, num_topk
         fp8 = mma_type != 'bf16xbf16'

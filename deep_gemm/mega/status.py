@@ -80,6 +80,7 @@ def host_status(buffer) -> Optional[torch.Tensor]:
     if mirror is None and buffer.device.type == 'cuda':
         mirror = torch.zeros(_C.kNumStatusWords, dtype=torch.int64, pin_memory=True)
         buffer._host_status = mirror
+        buffer._host_status_words = mirror.numpy()   # the same memory (raise_if_failed's fast read)
     return mirror
 
 
@@ -91,6 +92,12 @@ def raise_if_failed(buffer, sync: bool = False) -> None:
     """
     word, fatal = 0, 0
     mirror = getattr(buffer, '_host_status', None)
+    if not sync and mirror is not None:
+        # The hot path (every eager call): the error word through the numpy view of the same pinned
+        # memory that host_status keeps, ~0.1 us, where indexing the tensor costs ~2 us
+        words = getattr(buffer, '_host_status_words', None)
+        if words is not None and not words[_ERROR]:
+            return
     if sync:
         torch.cuda.synchronize(buffer.device) if buffer.device.type == 'cuda' else None
         offset, num_bytes = buffer.layout['status']

@@ -4,6 +4,8 @@
 // config becomes template arguments), tensor maps, launch. Shapes stay run-time values, so a
 // handful of variants (format x BLOCK_M x stages x fast math x L2 task width) cover every model.
 
+#include <array>
+#include <atomic>
 #include <cmath>
 #include <initializer_list>
 #include <map>
@@ -236,31 +238,64 @@ inline int mega_moe_l1_split_max(MmaType mma_type) {
     return override_max >= 0 ? max_of(override_max, 1) : get_mega_moe_l1_split_max(mma_type);
 }
 
-inline MegaMoEConfig launch_sm90_mega_moe(const SM90MegaMoEArgs& a) {
-    const int num_ranks = static_cast<int>(a.buffers.size());
-    const auto [config, variant] = select_sm90_mega_moe_variant(a.mma_type, num_ranks, a.num_experts, a.num_topk, a.hidden,
-                                                                a.intermediate_hidden, a.num_tokens, a.num_sms,
-                                                                a.max_smem_bytes, a.fast_math, a.ranks_share_gpu, a.hbm_gbps);
-    print_config_if_requested(config);
-    auto& kernel = jit::get_kernel(variant.compile(), "sm90_mega_moe");
+// What a launch derives from a call's fixed arguments (the buffers, shape, weights, GPU and kernel
+// variant) and not from its tokens, outputs or stream: the loaded kernel, the parameter block without
+// the per-call fields, the tensor maps and the grid. Encoding the maps (a driver call each, up to 13)
+// and finding the kernel cost most of a launch's host time, so a plan is built once per key and
+// reused (sm90_mega_moe_plan); every field of it is a function of the key alone.
+struct SM90MegaMoELaunchPlan {
+    static constexpr int kNumMaps = 13;
+    jit::Kernel* kernel = nullptr;
+    MegaMoEParams params{};   // num_tokens, y, stats, clamp, timeout, host_status, trace: set per call
+    std::array<CUtensorMap, kNumMaps> maps{};
+    jit::LaunchConfig launch_config;   // stream: set per call
+};
 
-    MegaMoEParams params{};
+// Everything a plan is made from: the current context (kernels are loaded per context), the call's
+// fixed arguments and the config fields the plan reads
+using SM90MegaMoEPlanKey = std::array<int64_t, 37>;
+
+inline SM90MegaMoEPlanKey sm90_mega_moe_plan_key(const SM90MegaMoEArgs& a, const MegaMoEConfig& c, const SM90MegaMoEVariant& v,
+                                                 CUcontext context) {
+    SM90MegaMoEPlanKey key{};
+    size_t i = 0;
+    key[i++] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(context));
+    key[i++] = static_cast<int64_t>(a.mma_type);
+    key[i++] = static_cast<int64_t>(a.buffers.size());
+    key[i++] = a.rank;
+    for (int r = 0; r < kMaxRanks; ++r) key[i++] = r < static_cast<int>(a.buffers.size()) ? a.buffers[r] : 0;
+    for (const int64_t x : {int64_t(a.num_experts), int64_t(a.num_max_tokens_per_rank), int64_t(a.num_topk), int64_t(a.hidden),
+                            int64_t(a.intermediate_hidden), a.l1_weights, a.l1_weight_scales, a.l1_weight_deltas, a.l2_weights,
+                            a.l2_weight_scales, a.l2_weight_deltas, int64_t(a.peers_on_this_gpu), int64_t(v.block_m),
+                            int64_t(v.num_stages), int64_t(v.fast_math), int64_t(v.block_n_l2), int64_t(v.wide_n_min),
+                            int64_t(v.signals_thread), int64_t(v.cta_pair), int64_t(c.num_sms), int64_t(c.num_threads),
+                            int64_t(c.smem_bytes), int64_t(c.num_prefetch_stages), int64_t(c.num_prefetch_stages_l2)})
+        key[i++] = x;
+    static_assert(4 + kMaxRanks + 24 <= std::tuple_size_v<SM90MegaMoEPlanKey>, "SM90MegaMoEPlanKey holds every field");
+    return key;
+}
+
+// Plans built in this process (tests: repeated calls reuse theirs)
+inline std::atomic<int64_t>& num_sm90_mega_moe_plans_built() {
+    static std::atomic<int64_t> count{0};
+    return count;
+}
+
+inline SM90MegaMoELaunchPlan make_sm90_mega_moe_plan(const SM90MegaMoEArgs& a, const MegaMoEConfig& config,
+                                                     const SM90MegaMoEVariant& variant) {
+    const int num_ranks = static_cast<int>(a.buffers.size());
+    SM90MegaMoELaunchPlan plan;
+    ++num_sm90_mega_moe_plans_built();
+    plan.kernel = &jit::get_kernel(variant.compile(), "sm90_mega_moe");
+    MegaMoEParams& params = plan.params;
     params.layout = layout::MegaMoELayout(num_ranks, a.num_experts, a.num_max_tokens_per_rank, a.num_topk, a.hidden,
                                           a.intermediate_hidden, a.mma_type);
     for (int r = 0; r < num_ranks; ++r) params.buffers[r] = reinterpret_cast<void*>(a.buffers[r]);
     params.rank = a.rank;
-    params.num_tokens = a.num_tokens;
-    params.y = reinterpret_cast<void*>(a.y);
     params.l1_weight_scales = reinterpret_cast<const float*>(a.l1_weight_scales);
     params.l2_weight_scales = reinterpret_cast<const float*>(a.l2_weight_scales);
     params.l1_weight_deltas = reinterpret_cast<const uint8_t*>(a.l1_weight_deltas);
     params.l2_weight_deltas = reinterpret_cast<const uint8_t*>(a.l2_weight_deltas);
-    params.cumulative_local_expert_recv_stats = reinterpret_cast<int*>(a.stats);
-    params.activation_clamp = a.activation_clamp > 0 and std::isfinite(a.activation_clamp)
-                                  ? static_cast<float>(a.activation_clamp) : INFINITY;
-    params.timeout_ns = static_cast<uint64_t>(a.timeout_s * 1e9);
-    params.host_status = reinterpret_cast<uint64_t*>(a.host_status);
-    params.trace = reinterpret_cast<uint64_t*>(a.trace);
     params.peers_on_this_gpu = a.peers_on_this_gpu ? 1 : 0;
     // Tuning aid (docs/KERNEL.md): DG_MEGA_MOE_PREFETCH_STAGES=k sets the weight prefetch of L1 and L2
     // tasks (at most all stages), =k1,k2 each; default the heuristic's
@@ -360,14 +395,61 @@ inline MegaMoEConfig launch_sm90_mega_moe(const SM90MegaMoEArgs& a) {
                                       : (l1 ? tm_l1_act : tm_l2_act);
     };
     CUtensorMap tm_l1_act_16 = box(16, true), tm_l2_act_16 = box(16, false), tm_l1_act_32 = box(32, true), tm_l2_act_32 = box(32, false);
-    void* args[] = {&params, &tm_l1_act, &tm_l1_w, &tm_l2_act, &tm_l2_w, &tm_l1_act_narrow, &tm_l2_act_narrow,
-                    &tm_l2_w_pair, &tm_l1_d_pair, &tm_l2_d_pair, &tm_l1_act_16, &tm_l2_act_16, &tm_l1_act_32, &tm_l2_act_32};
-    jit::LaunchConfig launch_config;
-    launch_config.grid = {static_cast<uint32_t>(config.num_sms), 1, 1};
-    launch_config.block = {static_cast<uint32_t>(config.num_threads), 1, 1};
-    launch_config.smem_bytes = static_cast<uint32_t>(config.smem_bytes);
-    launch_config.stream = reinterpret_cast<CUstream>(a.stream);
-    jit::launch(kernel, launch_config, args);
+    // The kernel's parameter order after the parameter block
+    plan.maps = {tm_l1_act, tm_l1_w, tm_l2_act, tm_l2_w, tm_l1_act_narrow, tm_l2_act_narrow, tm_l2_w_pair, tm_l1_d_pair,
+                 tm_l2_d_pair, tm_l1_act_16, tm_l2_act_16, tm_l1_act_32, tm_l2_act_32};
+    plan.launch_config.grid = {static_cast<uint32_t>(config.num_sms), 1, 1};
+    plan.launch_config.block = {static_cast<uint32_t>(config.num_threads), 1, 1};
+    plan.launch_config.smem_bytes = static_cast<uint32_t>(config.smem_bytes);
+    return plan;
+}
+
+// Plans kept at most (a server has a few buffers, weight sets and variants; past this many the
+// cache starts over rather than grow: plans are rebuilt as calls need them)
+inline constexpr size_t kMaxSM90MegaMoEPlans = 256;
+
+// The plan of a call, built on first use of its key and copied out (so that no reference outlives
+// the lock). Distinct keys whose weights or buffers were freed stay cached until the cap: a key
+// holds addresses only, never memory, and a later allocation at the same addresses with the same
+// shapes gets the same (correct) plan.
+inline SM90MegaMoELaunchPlan sm90_mega_moe_plan(const SM90MegaMoEArgs& a, const MegaMoEConfig& config,
+                                                const SM90MegaMoEVariant& variant) {
+    static std::mutex mutex;
+    static std::map<SM90MegaMoEPlanKey, SM90MegaMoELaunchPlan> plans;
+    const auto key = sm90_mega_moe_plan_key(a, config, variant, jit::ensure_context());
+    {
+        std::lock_guard<std::mutex> lock(mutex);
+        if (auto it = plans.find(key); it != plans.end()) return it->second;
+    }
+    // Built outside the lock: compiling a variant takes seconds, and another thread's launch of a
+    // ready plan need not wait for it (two threads building one key insert the same plan)
+    SM90MegaMoELaunchPlan plan = make_sm90_mega_moe_plan(a, config, variant);
+    std::lock_guard<std::mutex> lock(mutex);
+    if (plans.size() >= kMaxSM90MegaMoEPlans) plans.clear();
+    plans.emplace(key, plan);
+    return plan;
+}
+
+inline MegaMoEConfig launch_sm90_mega_moe(const SM90MegaMoEArgs& a) {
+    const int num_ranks = static_cast<int>(a.buffers.size());
+    const auto [config, variant] = select_sm90_mega_moe_variant(a.mma_type, num_ranks, a.num_experts, a.num_topk, a.hidden,
+                                                                a.intermediate_hidden, a.num_tokens, a.num_sms,
+                                                                a.max_smem_bytes, a.fast_math, a.ranks_share_gpu, a.hbm_gbps);
+    print_config_if_requested(config);
+    SM90MegaMoELaunchPlan plan = sm90_mega_moe_plan(a, config, variant);
+    MegaMoEParams& params = plan.params;
+    params.num_tokens = a.num_tokens;
+    params.y = reinterpret_cast<void*>(a.y);
+    params.cumulative_local_expert_recv_stats = reinterpret_cast<int*>(a.stats);
+    params.activation_clamp = a.activation_clamp > 0 and std::isfinite(a.activation_clamp)
+                                  ? static_cast<float>(a.activation_clamp) : INFINITY;
+    params.timeout_ns = static_cast<uint64_t>(a.timeout_s * 1e9);
+    params.host_status = reinterpret_cast<uint64_t*>(a.host_status);
+    params.trace = reinterpret_cast<uint64_t*>(a.trace);
+    void* args[1 + SM90MegaMoELaunchPlan::kNumMaps] = {&params};
+    for (int m = 0; m < SM90MegaMoELaunchPlan::kNumMaps; ++m) args[1 + m] = &plan.maps[m];
+    plan.launch_config.stream = reinterpret_cast<CUstream>(a.stream);
+    jit::launch(*plan.kernel, plan.launch_config, args);
     return config;
 }
 
