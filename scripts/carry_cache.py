@@ -12,7 +12,8 @@ the working tree and every ab/ variant (ab/<name>.cuh as prepared in /tmp/ab_<na
 scripts/ab_prebuild.sh, ab/<name>/ trees as they are), the kernel each `--case` launches at EP1 on
 an H200 and on an H100 (the heuristics read the GPU's HBM bandwidth). A kernel missing from SRC is
 an error (its tree was not prebuilt; the lookup compiles it into SRC on the way, so a second run
-finds it), unless --compile: then it is compiled into SRC and copied in the same run (an A/B of
+finds it), unless --compile: then it is compiled into SRC and copied in the same run (with --all,
+the working tree's variants first by scripts/prebuild_kernels.py --jobs N, in parallel; an A/B of
 a few cases needs only their kernels per variant: `bash scripts/ab_prebuild.sh --trees-only`
 prepares the variants' trees without prebuilding every variant of every format). Then move DST to
 .jit_cache and carry it.
@@ -91,6 +92,9 @@ def main(argv=None):
                         help='a timed case: its kernels in every tree')
     parser.add_argument('--compile', action='store_true',
                         help='compile kernels missing from SRC into it (else missing ones are an error)')
+    parser.add_argument('--jobs', type=int, default=min(4, os.cpu_count() or 1),
+                        help="with --compile and --all: the working tree's variants are first compiled this many "
+                             'at a time (scripts/prebuild_kernels.py --jobs)')
     parser.add_argument('--ab-dir', default=os.path.join(ROOT, 'ab'),
                         help="where the A/B variants are (default: the repository's ab/; an empty or missing "
                              'directory: the working tree only)')
@@ -103,6 +107,11 @@ def main(argv=None):
         sys.path.insert(0, os.path.join(ROOT, 'scripts'))
         import prebuild_kernels   # noqa: E402 (the working tree's variant list)
         keys = [list(k) for k in prebuild_kernels.variants(tuple(args.all))]
+    if args.compile and args.all:
+        # The bulk of a fresh cache, in parallel (the lookups below compile one kernel at a time)
+        env = dict(os.environ, DG_JIT_CACHE_DIR=os.path.abspath(args.src))
+        subprocess.run([sys.executable, os.path.join(ROOT, 'scripts', 'prebuild_kernels.py'), '--jobs', str(args.jobs),
+                        *args.all], env=env, check=True, stdout=subprocess.DEVNULL)
     entries = {}
     for label, tree in trees(args.ab_dir):
         main_tree = tree == ROOT

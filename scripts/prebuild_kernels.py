@@ -15,11 +15,15 @@ device, a few seconds per variant).
         of `python -m deep_gemm.bench --ep 2` (its default shapes and tokens), fast math, and the
         staging kernels
     --list: print the variants, compile nothing
+    --jobs N: compile N variants at a time (threads: nvcc runs without the GIL; default: the CPU count,
+        at most 4; on a 2-core machine the 60 variants of all three formats take ~4.5 minutes with 2
+        against ~8 with 1)
 
 FORMAT: fp8xfp8, fp8xfp4, bf16xbf16 (default: fp8xfp8 bf16xbf16). Each kernel prints one line
 `<key>: <seconds> s (cached|compiled) -> <cache dir>`.
 """
 import argparse
+import concurrent.futures
 import os
 import sys
 import time
@@ -109,10 +113,10 @@ def ep_variants(num_ranks, formats):
 
 
 def compile_one(key):
-    before = _C.get_num_nvcc_invocations()
     t = time.time()
     path = _C.compile_mega_moe(*key)
-    how = 'compiled' if _C.get_num_nvcc_invocations() > before else 'cached'
+    # (not the nvcc count, which other threads' compiles also raise: a cubin this call wrote is new)
+    how = 'compiled' if os.path.getmtime(os.path.join(path, 'kernel.cubin')) >= t - 1 else 'cached'
     print(f'{key}: {time.time() - t:.1f} s ({how}) -> {path}', flush=True)
 
 
@@ -130,6 +134,8 @@ def main(argv=None):
     parser.add_argument('--ep', type=int, metavar='N',
                         help='only what scripts/device_ep.sh needs on N GPUs (one process each)')
     parser.add_argument('--list', action='store_true', help='print the variants, compile nothing')
+    parser.add_argument('--jobs', type=int, default=min(4, os.cpu_count() or 1),
+                        help='variants compiled at a time (default: the CPU count, at most 4)')
     args = parser.parse_args(argv)
     formats = tuple(args.formats) or DEFAULT_FORMATS
     for fmt in formats:
@@ -137,6 +143,8 @@ def main(argv=None):
             parser.error(f'format {fmt!r}: expected one of {", ".join(MMA_TYPES)}')
     if args.ep is not None and args.ep < 2:
         parser.error(f'--ep {args.ep}: expected at least 2 ranks')
+    if args.jobs < 1:
+        parser.error(f'--jobs {args.jobs}: expected at least 1')
     start = time.time()
     if args.ep is not None:
         needed = ep_variants(args.ep, formats)
@@ -150,8 +158,9 @@ def main(argv=None):
         for key in keys:
             print(key)
         return 0
-    for key in keys:
-        compile_one(key)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        for future in [pool.submit(compile_one, key) for key in keys]:
+            future.result()   # re-raises a failed compile (nvcc's output in the message)
     for fp8 in stages:
         compile_stage(fp8)
     # (absent where scripts/ab_prebuild.sh runs a copy of this script for a kernel variant)

@@ -131,6 +131,30 @@ def test_stage_kernel_compiles(fp8, requires_nvcc):
         assert f.read(4) == b'\x7fELF'
 
 
+def test_variants_compile_concurrently(requires_nvcc, tmp_path):
+    """`_C.compile_mega_moe` releases the GIL and holds no lock across nvcc (scripts/prebuild_kernels.py
+    --jobs): three threads asking for two variants, one of them twice, get each variant's one cache
+    directory and run nvcc once per variant. In a child with an empty cache (the variants' directories
+    are remembered per process)."""
+    script = (
+        'import concurrent.futures, json\n'
+        'from deep_gemm import _C\n'
+        'keys = [(2, 64, 5, False, 128, 64, False, False), (2, 64, 5, True, 128, 64, False, False)]\n'
+        'with concurrent.futures.ThreadPoolExecutor(3) as pool:\n'
+        '    dirs = list(pool.map(lambda k: _C.compile_mega_moe(*k), [keys[0], keys[1], keys[0]]))\n'
+        'print(json.dumps({"dirs": dirs, "nvcc": _C.get_num_nvcc_invocations()}))\n')
+    env = dict(os.environ, DG_JIT_CACHE_DIR=str(tmp_path / 'jit_cache'),
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get('PYTHONPATH', ''))
+    out = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result['dirs'][0] == result['dirs'][2] != result['dirs'][1]
+    assert result['nvcc'] == 2
+    for d in set(result['dirs']):
+        with open(os.path.join(d, 'kernel.cubin'), 'rb') as f:
+            assert f.read(4) == b'\x7fELF'
+
+
 def test_prebuild_covers_every_kernel_the_launcher_picks():
     # scripts/prebuild_kernels.py's list (in a child: the script sets DG_JIT_CACHE_DIR on import)
     # is this file's, and every variant the launcher picks on an H200 (any n, a few model shapes,

@@ -90,8 +90,9 @@ inline void register_apis(py::module_& m) {
           },
           py::arg("mma_type"), py::arg("block_m"), py::arg("num_stages"), py::arg("fast_math") = true,
           py::arg("block_n_l2") = kMegaMoEBlockNL2, py::arg("wide_n_min") = 64, py::arg("signals_thread") = false,
-          py::arg("cta_pair") = false,
-          "Compile (or fetch from DG_JIT_CACHE_DIR) one Mega MoE kernel variant for sm_90a; works without a GPU. "
+          py::arg("cta_pair") = false, py::call_guard<py::gil_scoped_release>(),
+          "Compile (or fetch from DG_JIT_CACHE_DIR) one Mega MoE kernel variant for sm_90a; works without a GPU "
+          "(and without the GIL: threads compile different variants in parallel). "
           "block_n_l2: the L2 task width, 128, (block_m 64) 256 / 512 or (block_m 128, fp8xfp8 / bf16xbf16) 256; wide_n_min: the narrowest transposed wide "
           "tile, 64 or (fp8xfp4, block_m 64) 16 / 32; signals_thread: (fp8xfp4, block_m 64) the kernel with the "
           "signals thread. Returns the kernel's cache directory.");

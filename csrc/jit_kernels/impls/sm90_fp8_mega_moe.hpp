@@ -109,15 +109,21 @@ struct SM90MegaMoEVariant {
     }
 
     // Compile (or find in the cache) on any machine, GPU or not. Remembered per variant, so a
-    // launch does not regenerate and hash the source.
+    // launch does not regenerate and hash the source. nvcc runs outside the lock: threads compiling
+    // different variants run in parallel (scripts/prebuild_kernels.py --jobs), and jit::compile
+    // serializes threads asking for the same one
     std::filesystem::path compile() const {
         static std::mutex mutex;
         static std::map<std::tuple<int, int, int, bool, int, int, bool, bool>, std::filesystem::path> compiled;
         const auto key = std::make_tuple(static_cast<int>(mma_type), block_m, num_stages, fast_math, block_n_l2, wide_n_min, signals_thread, cta_pair);
+        {
+            std::lock_guard<std::mutex> lock(mutex);
+            if (auto it = compiled.find(key); it != compiled.end())
+                return it->second;
+        }
+        const auto dir = jit::compile(name(), source());
         std::lock_guard<std::mutex> lock(mutex);
-        if (auto it = compiled.find(key); it != compiled.end())
-            return it->second;
-        return compiled.emplace(key, jit::compile(name(), source())).first->second;
+        return compiled.emplace(key, dir).first->second;
     }
 };
 
