@@ -7,6 +7,7 @@ fast/exact SwiGLU, with 128-wide L2 tasks and, at BLOCK_M 64, also 256-wide ones
 is available, must hold the tensor-core instructions the format needs (QGMMA for FP8 operands,
 HGMMA for BF16) and TMA loads (UTMALDG). scripts/prebuild_kernels.py compiles the same list.
 """
+import concurrent.futures
 import json
 import os
 import re
@@ -19,7 +20,7 @@ from deep_gemm import _C
 from deep_gemm.mega.buffer import mma_type_to_int
 from deep_gemm.testing import MMA_TYPES as FORMATS
 
-from conftest import cuobjdump_path
+from conftest import cuobjdump_path, nvcc_path
 
 H200_SMEM = 232448
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -71,10 +72,27 @@ def _tuning_variants():
     return out
 
 
+@pytest.fixture(scope='module')
+def variants_compiled_in_parallel():
+    """Every variant of the test below compiled before its first case, several at a time (nvcc runs
+    without the GIL: about half the time on two cores); each case then finds its kernel compiled. A
+    variant that fails here is compiled again by its own case, which reports the error."""
+    nvcc = nvcc_path()
+    if not nvcc or not os.path.isfile(nvcc):
+        return
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+        futures = [pool.submit(_C.compile_mega_moe, mma_type_to_int(v[0]), *v[1:]) for v in _variants() + _tuning_variants()]
+        for future in futures:
+            try:
+                future.result()
+            except RuntimeError:
+                pass
+
+
 @pytest.mark.parametrize('variant', _variants() + _tuning_variants(),
                          ids=lambda v: f'{v[0]}-m{v[1]}-n{v[4]}-s{v[2]}-{"fast" if v[3] else "exact"}-w{v[5]}'
                                        f'{"-sig" if v[6] else ""}{"-pair" if v[7] else ""}')
-def test_mega_moe_variant_compiles_for_sm90a(variant, requires_nvcc):
+def test_mega_moe_variant_compiles_for_sm90a(variant, requires_nvcc, variants_compiled_in_parallel):
     fmt, block_m, stages, fast, block_n_l2, wide_n_min, signals, pair = variant
     kernel_dir = _C.compile_mega_moe(mma_type_to_int(fmt), block_m, stages, fast, block_n_l2, wide_n_min, signals, pair)
     cubin = os.path.join(kernel_dir, 'kernel.cubin')
