@@ -22,19 +22,18 @@ from .buffer import MMA_TYPES, mma_type_to_int
 _device_info_by_index = {}
 
 
-def _current_stream(device: torch.device) -> int:
-    """The raw handle of `device`'s current stream (what `torch.cuda.current_stream(device).cuda_stream`
-    gives, without making a Stream object: ~1 us less a call)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _raw_stream(index)
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
+# The raw handle of a device's current stream (what `torch.cuda.current_stream(index).cuda_stream` gives,
+# without making a Stream object: ~1 us less a call)
 _raw_stream = getattr(torch._C, '_cuda_getCurrentRawStream', None) or (
     lambda index: torch.cuda.current_stream(index).cuda_stream)
 
 
 def _device_info(device: torch.device) -> dict:
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _device_index(device)
     if index not in _device_info_by_index:
         _device_info_by_index[index] = _C.get_device_info(index)
     return _device_info_by_index[index]
@@ -158,7 +157,6 @@ def launch_mega_moe(kind: str, y: torch.Tensor, l1, l2, buf, stats: Optional[tor
         l1_p = (l1[0].data_ptr(), l1[2].data_ptr(), l1[1].data_ptr())
         l2_p = (l2[0].data_ptr(), l2[2].data_ptr(), l2[1].data_ptr())
     device = y.device
-    info = _device_info(device)
     num_sms = buf.num_sms or _C.get_num_sms()
     trace = getattr(buf, '_trace', None)
     # The argument order of _C.launch_mega_moe (csrc/apis/mega_moe.hpp)
@@ -166,7 +164,6 @@ def launch_mega_moe(kind: str, y: torch.Tensor, l1, l2, buf, stats: Optional[tor
         MMA_TYPES[kind], buf.peer_ptrs, buf.rank, buf.num_experts, buf.num_max_tokens_per_rank, buf.num_topk,
         buf.hidden, buf.intermediate_hidden, y.shape[0], y.data_ptr(), *l1_p, *l2_p,
         0 if stats is None else stats.data_ptr(), 0 if mirror is None else mirror.data_ptr(),
-        0 if trace is None else trace.data_ptr(), _current_stream(device),
+        0 if trace is None else trace.data_ptr(), _raw_stream(_device_index(device)),
         0.0 if activation_clamp is None else float(activation_clamp), bool(fast_math), status.get_timeout(),
-        int(num_sms), info['max_smem_per_block_optin'], bool(buf.peers_on_this_gpu), ranks_share_gpu(buf),
-        info['hbm_gbps'])
+        int(num_sms), _max_smem(device), bool(buf.peers_on_this_gpu), ranks_share_gpu(buf), _hbm_gbps(device))

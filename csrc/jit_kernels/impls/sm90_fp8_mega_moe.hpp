@@ -259,11 +259,18 @@ struct SM90MegaMoELaunchPlan {
 };
 
 // Everything a plan is made from: the current context (kernels are loaded per context), the call's
-// fixed arguments and the config fields the plan reads
-using SM90MegaMoEPlanKey = std::array<int64_t, 37>;
+// fixed arguments and the config fields the plan reads (sm90_mega_moe_plan_key fills every entry)
+inline constexpr int kSM90MegaMoEPlanKeyFields = 24;   // after the context, format, ranks, rank and buffers
+using SM90MegaMoEPlanKey = std::array<int64_t, 4 + kMaxRanks + kSM90MegaMoEPlanKeyFields>;
 
 inline SM90MegaMoEPlanKey sm90_mega_moe_plan_key(const SM90MegaMoEArgs& a, const MegaMoEConfig& c, const SM90MegaMoEVariant& v,
                                                  CUcontext context) {
+    const auto fields = std::to_array<int64_t>({
+        a.num_experts, a.num_max_tokens_per_rank, a.num_topk, a.hidden, a.intermediate_hidden, a.l1_weights,
+        a.l1_weight_scales, a.l1_weight_deltas, a.l2_weights, a.l2_weight_scales, a.l2_weight_deltas, a.peers_on_this_gpu,
+        v.block_m, v.num_stages, v.fast_math, v.block_n_l2, v.wide_n_min, v.signals_thread, v.cta_pair, c.num_sms,
+        c.num_threads, c.smem_bytes, c.num_prefetch_stages, c.num_prefetch_stages_l2});
+    static_assert(std::tuple_size_v<decltype(fields)> == kSM90MegaMoEPlanKeyFields, "every field has its key entry");
     SM90MegaMoEPlanKey key{};
     size_t i = 0;
     key[i++] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(context));
@@ -271,14 +278,7 @@ inline SM90MegaMoEPlanKey sm90_mega_moe_plan_key(const SM90MegaMoEArgs& a, const
     key[i++] = static_cast<int64_t>(a.buffers.size());
     key[i++] = a.rank;
     for (int r = 0; r < kMaxRanks; ++r) key[i++] = r < static_cast<int>(a.buffers.size()) ? a.buffers[r] : 0;
-    for (const int64_t x : {int64_t(a.num_experts), int64_t(a.num_max_tokens_per_rank), int64_t(a.num_topk), int64_t(a.hidden),
-                            int64_t(a.intermediate_hidden), a.l1_weights, a.l1_weight_scales, a.l1_weight_deltas, a.l2_weights,
-                            a.l2_weight_scales, a.l2_weight_deltas, int64_t(a.peers_on_this_gpu), int64_t(v.block_m),
-                            int64_t(v.num_stages), int64_t(v.fast_math), int64_t(v.block_n_l2), int64_t(v.wide_n_min),
-                            int64_t(v.signals_thread), int64_t(v.cta_pair), int64_t(c.num_sms), int64_t(c.num_threads),
-                            int64_t(c.smem_bytes), int64_t(c.num_prefetch_stages), int64_t(c.num_prefetch_stages_l2)})
-        key[i++] = x;
-    static_assert(4 + kMaxRanks + 24 <= std::tuple_size_v<SM90MegaMoEPlanKey>, "SM90MegaMoEPlanKey holds every field");
+    for (const int64_t x : fields) key[i++] = x;
     return key;
 }
 
