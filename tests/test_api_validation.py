@@ -1,11 +1,16 @@
 """Host-side validation of the Mega MoE entry points, on CPU: every bad argument is a clear error
 naming it, raised before anything is written."""
+import gc
 import math
+import re
+import weakref
 
 import pytest
 import torch
 
+import deep_gemm
 import deep_gemm.mega as mega
+from deep_gemm.mega import api as mega_api
 from deep_gemm.mega import (SymmBuffer, bf16_mega_moe, fp8_fp4_mega_moe, fp8_mega_moe, get_symm_buffer_for_mega_moe,
                             transform_weights_for_mega_moe)
 
@@ -201,6 +206,62 @@ def test_weights_wrong_device(case):
     case.reject(ValueError, 'l2_weights.*must be on cpu', l2_weights=to_meta(case.l2))
 
 
+# the checked-weights memo (api._CheckedWeights): a later call with the same weight tensors skips
+# their checks; anything that moves a weight or changes its shape is checked again
+
+def _first(w):
+    return w if isinstance(w, torch.Tensor) else w[0]
+
+
+def test_weights_checked_once_then_remembered(case):
+    case.reject(RuntimeError, 'SM90')
+    memo = case.buf._checked_weights
+    assert memo is not None and memo.matches(case.l1, case.l2)
+    case.reject(RuntimeError, 'SM90')
+    assert case.buf._checked_weights is memo, 'the second call checked the same weights again'
+    if case.mma_type != 'bf16xbf16':
+        # the same tensors in new containers (a list too) are the same weights
+        case.reject(RuntimeError, 'SM90', l1_weights=list(case.l1), l2_weights=tuple(case.l2))
+        assert case.buf._checked_weights is memo
+        # another tensor in the container is not
+        other = (_first(case.l1).clone(), *case.l1[1:])
+        assert not memo.matches(other, case.l2)
+
+
+def test_weight_moved_after_a_call_is_checked_again(case):
+    case.reject(RuntimeError, 'SM90')
+    w = _first(case.l1)
+    w.data = torch.zeros(w.shape, dtype=torch.float32)   # the same object, elsewhere, of another dtype
+    case.reject(TypeError, r'l1_weights.*must be torch\.(bfloat16|float8_e4m3fn|uint8), got torch\.float32')
+
+
+def test_weight_freed_and_replaced_is_checked_again(case):
+    case.reject(RuntimeError, 'SM90')
+    memo = case.buf._checked_weights
+    if case.mma_type == 'bf16xbf16':
+        case.l2 = torch.zeros(E, H, I, dtype=torch.float32)   # the old l2 dies here
+    else:
+        case.l2 = (case.l2[0], torch.zeros(case.l2[1].shape, dtype=torch.float64), *case.l2[2:])
+    assert not memo.alive[0], 'the death of a checked weight did not end the memo'
+    case.reject(TypeError, r'l2_weights.*must be torch\.(bfloat16|float32|uint8), got torch\.float(32|64)')
+
+
+def test_checked_weights_keep_no_weights_alive(case):
+    case.reject(RuntimeError, 'SM90')
+    ref = weakref.ref(_first(case.l1))
+    case.l1 = case.l2 = None
+    gc.collect()
+    assert ref() is None, 'the buffer kept the weights of its last call alive'
+
+
+def test_checked_addresses_are_the_launchers(case):
+    from deep_gemm.mega import launch
+    for _ in range(2):   # checked, then from the memo
+        addresses = mega_api._validate(case.mma_type, case.y, case.l1, case.l2, case.buf, None, 'swiglu', None, True, 'f')
+        assert addresses == launch._weight_addresses(case.mma_type, case.l1, case.l2)
+        assert len(addresses) == 6 and all(isinstance(a, int) for a in addresses) and addresses[0] != 0
+
+
 # stats, activation, options -----------------------------------------------------------------------
 
 @pytest.mark.parametrize('stats, error, match', [
@@ -234,7 +295,7 @@ def test_bad_fast_math(fast_math):
 # DG_CHECK_INPUTS ----------------------------------------------------------------------------------
 
 def test_check_inputs_flags_bad_expert(monkeypatch):
-    monkeypatch.setenv('DG_CHECK_INPUTS', '1')
+    monkeypatch.setattr(mega_api, '_check_inputs', True)
     case = Case('fp8xfp8')
     case.buf.topk_idx[5, 1] = E
     case.buf.topk_idx[6, 0] = -3
@@ -243,7 +304,7 @@ def test_check_inputs_flags_bad_expert(monkeypatch):
 
 
 def test_check_inputs_flags_non_finite_weight(monkeypatch):
-    monkeypatch.setenv('DG_CHECK_INPUTS', '1')
+    monkeypatch.setattr(mega_api, '_check_inputs', True)
     case = Case('fp8xfp8')
     case.buf.topk_weights[3, 0] = math.nan
     case.buf.topk_idx[2, 1] = -1
@@ -253,7 +314,7 @@ def test_check_inputs_flags_non_finite_weight(monkeypatch):
 
 
 def test_check_inputs_only_reads_the_first_n_tokens(monkeypatch):
-    monkeypatch.setenv('DG_CHECK_INPUTS', '1')
+    monkeypatch.setattr(mega_api, '_check_inputs', True)
     case = Case('fp8xfp8', n=4)
     case.buf.topk_idx[6, 0] = 1000    # beyond n: not part of this call
     case.snapshot = case.buf.buffer.clone()
@@ -261,11 +322,30 @@ def test_check_inputs_only_reads_the_first_n_tokens(monkeypatch):
 
 
 def test_check_inputs_off_does_not_look(monkeypatch):
-    monkeypatch.delenv('DG_CHECK_INPUTS', raising=False)
+    monkeypatch.setattr(mega_api, '_check_inputs', False)
     case = Case('fp8xfp8')
     case.buf.topk_idx[5, 1] = 1000
     case.snapshot = case.buf.buffer.clone()
     case.reject(RuntimeError, 'SM90')
+
+
+def test_timeout_setting(monkeypatch):
+    from deep_gemm.mega import status
+    monkeypatch.setattr(status, '_timeout_s', None)
+    for value, expected in (('2.5', 2.5), (None, status.DEFAULT_TIMEOUT_S)):
+        if value is None:
+            monkeypatch.delenv('DG_TIMEOUT_S', raising=False)
+        else:
+            monkeypatch.setenv('DG_TIMEOUT_S', value)
+        monkeypatch.setattr(status, '_env_timeout_s', status._env_timeout())   # as an import reads it
+        assert status.get_timeout() == expected
+    for bad in ('abc', '0', '-1'):
+        monkeypatch.setenv('DG_TIMEOUT_S', bad)
+        monkeypatch.setattr(status, '_env_timeout_s', status._env_timeout())
+        with pytest.raises(ValueError, match=f"DG_TIMEOUT_S = '{bad}': expected a positive number of seconds"):
+            status.get_timeout()
+    status.set_timeout(3.0)                  # set_timeout wins over the environment (restored by monkeypatch)
+    assert status.get_timeout() == 3.0
 
 
 def test_public_names():
@@ -288,6 +368,86 @@ def test_launcher_bounds_the_combine_index():
     args[8] = n + 1
     with pytest.raises(ValueError, match='num_tokens: expected 0 <= num_tokens <= num_max_tokens_per_rank'):
         _C.launch_mega_moe(*args)
+
+
+def _parameter_names(binding) -> list:
+    """A pybind11 function's parameter names, in order, from its signature line."""
+    return re.findall(r'(?:\(|, )(\w+): ', binding.__doc__.splitlines()[0])
+
+
+class _LaunchRecorder:
+    """Stands in for deep_gemm._C in deep_gemm.mega.launch: records the launches' arguments."""
+
+    def __init__(self):
+        from deep_gemm import _C
+        self._C = _C
+        self.launches, self.stages = [], []
+
+    def __getattr__(self, name):
+        return getattr(self._C, name)
+
+    def launch_mega_moe(self, *args):
+        self.launches.append(list(args))
+
+    def launch_mega_moe_stage(self, *args):
+        self.stages.append(list(args))
+
+    def get_num_sms(self):
+        return 132
+
+
+def test_launcher_passes_each_argument_in_its_place(monkeypatch, case):
+    # The Python launcher calls _C positionally (keyword matching costs host time): each value must
+    # land on its parameter, and the binding must accept them all
+    from deep_gemm import _C
+    from deep_gemm.mega import launch
+    recorder = _LaunchRecorder()
+    monkeypatch.setattr(launch, '_C', recorder)
+    monkeypatch.setattr(launch, '_raw_stream', lambda index: 0x5eed)
+    case.buf._launch_device_constants = (0, 232448, 4917)   # what a GPU would give
+    stats = torch.zeros(E, dtype=torch.int32)
+    addresses = mega_api._validate(case.mma_type, case.y, case.l1, case.l2, case.buf, stats, 'swiglu', 2.5, False, 'f')
+    launch.launch_mega_moe(case.mma_type, case.y, case.l1, case.l2, case.buf, stats, 2.5, False, addresses)
+    launch.launch_mega_moe(case.mma_type, case.y, case.l1, case.l2, case.buf, stats, 2.5, False)   # addresses read there
+    names = _parameter_names(_C.launch_mega_moe)
+    first, second = recorder.launches
+    assert first == second and len(first) == len(names), (len(first), names)
+    got = dict(zip(names, first))
+    buf = case.buf
+    expected = dict(mma_type=mega.MMA_TYPES[case.mma_type], buffers=buf.peer_ptrs, rank=0, num_experts=E,
+                    num_max_tokens_per_rank=N, num_topk=K, hidden=H, intermediate_hidden=I, num_tokens=N,
+                    y=case.y.data_ptr(), stats=stats.data_ptr(), host_status=0, trace=0, stream=0x5eed,
+                    activation_clamp=2.5, fast_math=False, timeout_s=deep_gemm.get_timeout(), num_sms=132,
+                    max_smem_bytes=232448, peers_on_this_gpu=True, ranks_share_gpu=False, hbm_gbps=4917)
+    for i, side in enumerate(('l1', 'l2')):
+        for j, part in enumerate(('weights', 'weight_scales', 'weight_deltas')):
+            expected[f'{side}_{part}'] = addresses[3 * i + j]
+    assert got == expected
+    # The binding takes them: its own last check (n past the buffer's) raises before any device work
+    first[names.index('num_tokens')] = N + 1
+    with pytest.raises(ValueError, match='num_tokens: expected 0 <= num_tokens'):
+        _C.launch_mega_moe(*first)
+
+
+def test_stage_launcher_passes_each_argument_in_its_place(monkeypatch):
+    from deep_gemm import _C
+    from deep_gemm.mega import launch
+    recorder = _LaunchRecorder()
+    monkeypatch.setattr(launch, '_C', recorder)
+    monkeypatch.setattr(launch, '_raw_stream', lambda index: 0x5eed)
+    case = Case('fp8xfp8')
+    case.buf._launch_device_constants = (0, 232448, 4917)
+    x = torch.randn(5, H + 8).bfloat16()[:, :H]   # strided rows
+    idx, w = torch.randint(0, E, (5, K)), torch.rand(5, K)
+    assert case.buf._stage_problem(x, idx, w) is None
+    launch.launch_stage(case.buf, x, idx, w)
+    names = _parameter_names(_C.launch_mega_moe_stage)
+    (args,) = recorder.stages
+    assert dict(zip(names, args)) == dict(
+        mma_type=mega.MMA_TYPES['fp8xfp8'], num_ranks=1, num_experts=E, num_max_tokens_per_rank=N, num_topk=K, hidden=H,
+        intermediate_hidden=I, buffer=case.buf.buffer.data_ptr(), x=x.data_ptr(), x_row_stride=H + 8,
+        topk_idx=idx.data_ptr(), topk_weights=w.data_ptr(), num_tokens=5, num_sms=132, stream=0x5eed)
+    assert len(args) == len(names)
 
 
 class _PrepareRecorder:

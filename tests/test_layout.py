@@ -251,8 +251,18 @@ def test_symm_buffer_repr_and_pending_methods():
         buf.stage(x, idx.int(), w)
     with pytest.raises(ValueError, match='topk_weights'):
         buf.stage(x, idx, w[:, :1])
+    with pytest.raises(ValueError, match=r'x: expected shape \[n, 256\] with contiguous channels'):
+        buf.stage(torch.randn(256, 3).bfloat16().t(), idx, w)                  # strided channels
+    with pytest.raises(ValueError, match='16-byte aligned rows'):
+        buf.stage(torch.randn(3, 260).bfloat16()[:, :256], idx, w)              # rows 520 bytes apart
+    with pytest.raises(ValueError, match=r'x: expected a bfloat16 \[n, 256\]'):
+        buf.stage(x[0], idx, w)                                                   # one dimension
+    with pytest.raises(ValueError, match="topk_weights is on meta, expected the buffer's cpu"):
+        buf.stage(x, idx, w.to('meta'))
     with pytest.raises(RuntimeError, match='SM90'):
         buf.stage(x, idx, w)
+    with pytest.raises(RuntimeError, match='SM90'):                              # n = 0: the same checks
+        buf.stage(x[:0], idx[:0], w[:0])
 
 
 def test_peers_on_this_gpu_defaults_to_a_single_rank():

@@ -519,11 +519,12 @@ def test_peer_table_and_probe():
 def test_allow_cold_jit(monkeypatch):
     from deep_gemm.mega import status
     monkeypatch.setattr(status, '_timeout_s', None)
-    monkeypatch.delenv('DG_TIMEOUT_S', raising=False)
+    monkeypatch.setattr(status, '_env_timeout_s', None)   # DG_TIMEOUT_S unset at import
     ep_check.allow_cold_jit()
     assert status.get_timeout() == ep_check.COLD_JIT_TIMEOUT_S == 60.0
     monkeypatch.setattr(status, '_timeout_s', None)
     monkeypatch.setenv('DG_TIMEOUT_S', '2')
+    monkeypatch.setattr(status, '_env_timeout_s', status._env_timeout())   # as an import would read it
     ep_check.allow_cold_jit()            # an explicit setting wins
     assert status.get_timeout() == 2.0
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import weakref
 from typing import Iterable, List, Optional, Tuple, Union
 
 import torch
@@ -54,8 +55,9 @@ def _describe(spec: _WeightSpec) -> str:
     return parts[0] if len(parts) == 1 else '(' + ', '.join(parts) + ')'
 
 
-def _check_weights(arg: str, weights: object, spec: _WeightSpec, device: torch.device) -> None:
-    # The expected-format text is built only for an error message (this runs on every call)
+def _check_weights(arg: str, weights: object, spec: _WeightSpec, device: torch.device) -> Tuple[torch.Tensor, ...]:
+    """The tensors of `weights` (one, or the tuple's) once each matches `spec`; raises naming the first that does not."""
+    # The expected-format text is built only for an error message
     if len(spec) == 1:
         if not isinstance(weights, torch.Tensor):
             raise TypeError(f'{arg} must be a tensor {_describe(spec)} (from transform_weights_for_mega_moe), '
@@ -83,11 +85,63 @@ def _check_weights(arg: str, weights: object, spec: _WeightSpec, device: torch.d
         # (a view at an odd offset would fault on the device instead of raising here)
         if name in ('weights', 'delta') and t.data_ptr() % 16 != 0:
             raise ValueError(f'{what} must start at a 16-byte aligned address, got data_ptr() % 16 = {t.data_ptr() % 16}')
+    return tensors
+
+
+# The kernel's weight addresses per format, from the checked tensors of l1 and of l2 (in
+# `_weight_specs` order): (weights, FP32 block scales, FP4 exponent deltas) each, 0 where a format has none
+_ADDRESS_ORDER = {'bf16xbf16': (0, None, None), 'fp8xfp8': (0, 1, None), 'fp8xfp4': (0, 2, 1)}
+
+
+_data_ptr = torch.Tensor.data_ptr
+
+
+class _CheckedWeights:
+    """The weight tensors a buffer's last call passed, as checked, and their addresses
+    (`SymmBuffer._checked_weights`).
+
+    `_check_weights` reads ~6 attributes per tensor (~1 us a tensor on a server's host) on every call,
+    although a server passes the same weight tensors every time. So a call whose weights are the very
+    tensor objects the previous call checked, each still at the address it was checked at, skips
+    them: the kernel reads weights by address, with the shapes the buffer gives, so a weight still at
+    its checked address still holds what the checks saw; a `.data =` or `set_()` that moves a weight
+    is seen and the full checks run again. No weight is kept alive: a weak reference to each ends the
+    memo when its tensor dies (an `id` names one object only while it lives). ~1 us against ~4
+    (FP8, this machine's CPU; docs/PERF.md, session 49)."""
+    __slots__ = ('bare', 'ids', 'ptrs', 'addresses', 'alive', 'refs')
+
+    def __init__(self, kind: str, l1_weights: object, l1_tensors: Tuple[torch.Tensor, ...],
+                 l2_tensors: Tuple[torch.Tensor, ...]) -> None:
+        tensors = l1_tensors + l2_tensors
+        self.bare = isinstance(l1_weights, torch.Tensor)   # bf16xbf16: each of l1, l2 is the tensor itself
+        self.ids = tuple(map(id, tensors))
+        self.ptrs = tuple(map(_data_ptr, tensors))
+        order = _ADDRESS_ORDER[kind]
+        self.addresses = tuple(0 if k is None else ts[k].data_ptr() for ts in (l1_tensors, l2_tensors) for k in order)
+        alive = self.alive = [True]   # a list: the callbacks hold it, not this object
+
+        def forget(_ref) -> None:
+            alive[0] = False
+        self.refs = tuple(weakref.ref(t, forget) for t in tensors)
+
+    def matches(self, l1_weights: object, l2_weights: object) -> bool:
+        if not self.alive[0]:
+            return False
+        if self.bare:
+            current = (l1_weights, l2_weights)
+        elif type(l1_weights) in (tuple, list) and type(l2_weights) in (tuple, list):
+            current = (*l1_weights, *l2_weights)
+        else:
+            return False
+        # ids first: past them every element is one of the checked tensors
+        return tuple(map(id, current)) == self.ids and tuple(map(_data_ptr, current)) == self.ptrs
 
 
 def _validate(kind: str, y: object, l1_weights: object, l2_weights: object, sym_buffer: object,
               cumulative_local_expert_recv_stats: object, activation: object, activation_clamp: object,
-              fast_math: object, function: str) -> None:
+              fast_math: object, function: str) -> Tuple[int, ...]:
+    """Every argument of a call checked (raises naming the first bad one); returns the six weight
+    addresses `launch.launch_mega_moe` passes to the kernel (l1's then l2's: weights, block scales, deltas)."""
     if not isinstance(sym_buffer, SymmBuffer):
         raise TypeError(f'sym_buffer must be a SymmBuffer (from get_symm_buffer_for_mega_moe), '
                         f'got {type(sym_buffer).__name__}')
@@ -95,25 +149,29 @@ def _validate(kind: str, y: object, l1_weights: object, l2_weights: object, sym_
         raise ValueError(f'sym_buffer was created with mma_type = {sym_buffer.mma_type!r}: {function} expects '
                          f'mma_type = {kind!r}')
     device = sym_buffer.device
-    h, i, e = sym_buffer.hidden, sym_buffer.intermediate_hidden, sym_buffer.num_local_experts
+    h, e = sym_buffer.hidden, sym_buffer.num_local_experts
 
     if not isinstance(y, torch.Tensor):
         raise TypeError(f'y must be a torch.Tensor, got {type(y).__name__}')
     if y.dtype != torch.bfloat16:
         raise TypeError(f'y must be torch.bfloat16, got {y.dtype}')
-    if y.dim() != 2 or y.shape[1] != h:
-        raise ValueError(f'y must have shape [n, hidden = {h}], got {list(y.shape)}')
-    if y.shape[0] > sym_buffer.num_max_tokens_per_rank:
-        raise ValueError(f'y has n = {y.shape[0]} tokens: expected n <= num_max_tokens_per_rank = '
+    y_shape = y.shape
+    if len(y_shape) != 2 or y_shape[1] != h:
+        raise ValueError(f'y must have shape [n, hidden = {h}], got {list(y_shape)}')
+    if y_shape[0] > sym_buffer.num_max_tokens_per_rank:
+        raise ValueError(f'y has n = {y_shape[0]} tokens: expected n <= num_max_tokens_per_rank = '
                          f'{sym_buffer.num_max_tokens_per_rank} of sym_buffer')
     if y.device != device:
         raise ValueError(f'y must be on {device} (the buffer\'s device), got {y.device}')
     if not y.is_contiguous():
         raise ValueError('y must be contiguous')
 
-    l1_spec, l2_spec = _weight_specs(kind, e, i, h)
-    _check_weights('l1_weights', l1_weights, l1_spec, device)
-    _check_weights('l2_weights', l2_weights, l2_spec, device)
+    checked = sym_buffer._checked_weights
+    if checked is None or not checked.matches(l1_weights, l2_weights):
+        l1_spec, l2_spec = _weight_specs(kind, e, sym_buffer.intermediate_hidden, h)
+        checked = _CheckedWeights(kind, l1_weights, _check_weights('l1_weights', l1_weights, l1_spec, device),
+                                  _check_weights('l2_weights', l2_weights, l2_spec, device))
+        sym_buffer._checked_weights = checked
 
     stats = cumulative_local_expert_recv_stats
     if stats is not None:
@@ -136,8 +194,9 @@ def _validate(kind: str, y: object, l1_weights: object, l2_weights: object, sym_
                 or not math.isfinite(activation_clamp) or activation_clamp <= 0):
             raise ValueError(f'activation_clamp = {activation_clamp!r} is invalid: expected None or a finite '
                              'positive number')
-    if not isinstance(fast_math, bool):
+    if fast_math is not True and fast_math is not False:
         raise TypeError(f'fast_math = {fast_math!r} must be a bool')
+    return checked.addresses
 
 
 def _check_routing_on_host(sym_buffer: SymmBuffer, n: int) -> None:
@@ -156,22 +215,35 @@ def _check_routing_on_host(sym_buffer: SymmBuffer, n: int) -> None:
                          f'(expert {int(idx[token, slot])}) (DG_CHECK_INPUTS=1)')
 
 
-def _run(kind: str, function: str, y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert_recv_stats,
-         activation, activation_clamp, fast_math) -> None:
-    _validate(kind, y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert_recv_stats, activation,
-              activation_clamp, fast_math, function)
-    if os.environ.get('DG_CHECK_INPUTS', '0') == '1':
-        _check_routing_on_host(sym_buffer, y.shape[0])
-    if y.device.type != 'cuda':
-        raise RuntimeError(f'{function} needs an SM90 (Hopper) GPU; y and sym_buffer are on {y.device}')
+# DG_CHECK_INPUTS, read once, when this module is imported: an environment lookup costs ~1 us, and
+# this is every call's path (docs/PERF.md, session 49)
+_check_inputs: bool = os.environ.get('DG_CHECK_INPUTS', '0') == '1'
+_launch = None   # deep_gemm.mega.launch, imported by the first call that reaches it
+
+
+def _launcher(function: str):
+    global _launch
     try:
         from . import launch
     except ModuleNotFoundError as e:
         if e.name != f'{__package__}.launch':
             raise
         raise NotImplementedError(f'{function}: the kernel launcher (deep_gemm.mega.launch) is not built yet') from e
-    launch.launch_mega_moe(kind, y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert_recv_stats,
-                           None if activation_clamp is None else float(activation_clamp), fast_math)
+    _launch = launch
+    return launch
+
+
+def _run(kind: str, function: str, y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert_recv_stats,
+         activation, activation_clamp, fast_math) -> None:
+    weight_addresses = _validate(kind, y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert_recv_stats,
+                                 activation, activation_clamp, fast_math, function)
+    if _check_inputs:
+        _check_routing_on_host(sym_buffer, y.shape[0])
+    if y.device.type != 'cuda':
+        raise RuntimeError(f'{function} needs an SM90 (Hopper) GPU; y and sym_buffer are on {y.device}')
+    (_launch or _launcher(function)).launch_mega_moe(
+        kind, y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert_recv_stats,
+        None if activation_clamp is None else float(activation_clamp), fast_math, weight_addresses)
 
 
 _ARGS_DOC = """
@@ -193,8 +265,9 @@ _ARGS_DOC = """
         fast_math: allow approximate exp/reciprocal in SwiGLU.
 
     One kernel launch, no host synchronization and no allocation (CUDA-graph capturable), except
-    with DG_CHECK_INPUTS=1, which checks the routing on the host first. Raises TypeError/ValueError
-    naming the argument before anything is written.
+    with DG_CHECK_INPUTS=1 (read when deep_gemm is imported), which checks the routing on the host
+    first. Raises TypeError/ValueError naming the argument before anything is written. A later call
+    with the same weight tensors, each still at its address, skips their checks.
 """
 
 _FORMATS_DOC = (__doc__ or '')[(__doc__ or '').find('Number formats'):] if __doc__ else ''

@@ -13,6 +13,8 @@ import torch
 from .. import _C
 from . import status
 
+_launch = None   # deep_gemm.mega.launch (which imports this module), imported by the first stage()
+
 # Python names of `deep_gemm::MmaType` (csrc types.cuh); the numbers are part of the kernel ABI.
 MMA_TYPES: Dict[str, int] = {'fp8xfp4': 0, 'fp8xfp8': 1, 'bf16xbf16': 2}
 
@@ -104,6 +106,11 @@ class SymmBuffer:
         self.num_sms: Optional[int] = None
         self._host_status: Optional[torch.Tensor] = None
         self._host_status_words = None   # a numpy view of _host_status (status.host_status)
+        # Kept for the entry points' host time (docs/PERF.md, session 49): the weights the last call
+        # passed as checked (api._CheckedWeights) and the GPU's launch constants (launch._device_constants)
+        self._checked_weights = None
+        self._launch_device_constants: Optional[tuple] = None
+        self._trace: Optional[torch.Tensor] = None   # scripts/trace.py: the kernel's per-CTA time stamps
 
         n, h, k = num_max_tokens_per_rank, hidden, num_topk
         fp8 = mma_type != 'bf16xbf16'
@@ -171,38 +178,39 @@ class SymmBuffer:
             topk_idx: int64 [n, num_topk], -1 = masked slot (ids are checked by the kernel, §6).
             topk_weights: float32 [n, num_topk].
         """
-        n = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else -1
-        checks = [
-            (isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16 and x.dim() == 2,
-             f'x: expected a bfloat16 [n, {self.hidden}] tensor'),
-            (n <= self.num_max_tokens_per_rank,
-             f'x: n = {n} exceeds num_max_tokens_per_rank = {self.num_max_tokens_per_rank}'),
-            (isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[1] == self.hidden and
-             (n <= 1 or x.stride(1) == 1) and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0,
-             f'x: expected shape [n, {self.hidden}] with contiguous channels, 16-byte aligned rows'),
-            (isinstance(topk_idx, torch.Tensor) and topk_idx.dtype == torch.int64 and
-             tuple(topk_idx.shape) == (n, self.num_topk) and topk_idx.is_contiguous(),
-             f'topk_idx: expected a contiguous int64 [{n}, {self.num_topk}] tensor'),
-            (isinstance(topk_weights, torch.Tensor) and topk_weights.dtype == torch.float32 and
-             tuple(topk_weights.shape) == (n, self.num_topk) and topk_weights.is_contiguous(),
-             f'topk_weights: expected a contiguous float32 [{n}, {self.num_topk}] tensor'),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(f'SymmBuffer.stage: {message}')
-        for name, t in (('x', x), ('topk_idx', topk_idx), ('topk_weights', topk_weights)):
-            if t.device != self.device:
-                raise ValueError(f'SymmBuffer.stage: {name} is on {t.device}, expected the buffer\'s {self.device}')
-        if self.device.type != 'cuda':
+        problem = self._stage_problem(x, topk_idx, topk_weights)
+        if problem is not None:
+            raise ValueError(f'SymmBuffer.stage: {problem}')
+        if x.device.type != 'cuda':
             raise RuntimeError('SymmBuffer.stage needs an SM90 (Hopper) GPU; this buffer is on '
                                f'{self.device} (copy into buf.x / x_sf / topk_idx / topk_weights instead)')
-        _C.launch_mega_moe_stage(
-            mma_type=mma_type_to_int(self.mma_type), num_ranks=self.num_ranks, num_experts=self.num_experts,
-            num_max_tokens_per_rank=self.num_max_tokens_per_rank, num_topk=self.num_topk, hidden=self.hidden,
-            intermediate_hidden=self.intermediate_hidden, buffer=self.buffer.data_ptr(), x=x.data_ptr(),
-            x_row_stride=x.stride(0) if n > 0 else self.hidden, topk_idx=topk_idx.data_ptr(),
-            topk_weights=topk_weights.data_ptr(), num_tokens=n, num_sms=_C.get_num_sms(),
-            stream=torch.cuda.current_stream(self.device).cuda_stream)
+        global _launch
+        if _launch is None:
+            from . import launch as _launch
+        _launch.launch_stage(self, x, topk_idx, topk_weights)
+
+    def _stage_problem(self, x: object, topk_idx: object, topk_weights: object) -> Optional[str]:
+        """What is wrong with `stage`'s arguments (the first thing), or None. Every call runs this, so
+        a message is formatted only when its check fails."""
+        if not (isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16 and x.dim() == 2):
+            return f'x: expected a bfloat16 [n, {self.hidden}] tensor'
+        n, hidden = x.shape
+        if n > self.num_max_tokens_per_rank:
+            return f'x: n = {n} exceeds num_max_tokens_per_rank = {self.num_max_tokens_per_rank}'
+        if not (hidden == self.hidden and (n <= 1 or x.stride(1) == 1) and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0):
+            return f'x: expected shape [n, {self.hidden}] with contiguous channels, 16-byte aligned rows'
+        k = self.num_topk
+        if not (isinstance(topk_idx, torch.Tensor) and topk_idx.dtype == torch.int64 and topk_idx.shape == (n, k) and
+                topk_idx.is_contiguous()):
+            return f'topk_idx: expected a contiguous int64 [{n}, {k}] tensor'
+        if not (isinstance(topk_weights, torch.Tensor) and topk_weights.dtype == torch.float32 and
+                topk_weights.shape == (n, k) and topk_weights.is_contiguous()):
+            return f'topk_weights: expected a contiguous float32 [{n}, {k}] tensor'
+        device = self.device
+        for name, t in (('x', x), ('topk_idx', topk_idx), ('topk_weights', topk_weights)):
+            if t.device != device:
+                return f'{name} is on {t.device}, expected the buffer\'s {device}'
+        return None
 
     def __repr__(self) -> str:
         gib = self.num_bytes / 2 ** 30

@@ -136,34 +136,60 @@ def compile_mega_moe_kernel(kind: str, num_tokens: int, buf, fast_math: bool = T
     _compiled_calls.add(key)
 
 
+def _weight_addresses(kind: str, l1, l2) -> tuple:
+    """(weights, FP32 block scales, FP4 exponent deltas) of l1, then of l2; 0 where a format has none
+    (`deep_gemm.mega.api._validate` returns the same from its checked tensors)."""
+    if kind == 'bf16xbf16':
+        return l1.data_ptr(), 0, 0, l2.data_ptr(), 0, 0
+    if kind == 'fp8xfp8':
+        return l1[0].data_ptr(), l1[1].data_ptr(), 0, l2[0].data_ptr(), l2[1].data_ptr(), 0
+    # fp8xfp4: (packed E2M1, delta, block_scale) from transform_weights_for_mega_moe
+    return l1[0].data_ptr(), l1[2].data_ptr(), l1[1].data_ptr(), l2[0].data_ptr(), l2[2].data_ptr(), l2[1].data_ptr()
+
+
+def _device_constants(buf) -> tuple:
+    """(device index, opt-in shared memory per block, peak HBM GB/s) of the buffer's GPU, kept on the buffer."""
+    constants = buf._launch_device_constants
+    if constants is None:
+        device = buf.device
+        constants = buf._launch_device_constants = (_device_index(device), _max_smem(device), _hbm_gbps(device))
+    return constants
+
+
 def launch_mega_moe(kind: str, y: torch.Tensor, l1, l2, buf, stats: Optional[torch.Tensor],
-                    activation_clamp: Optional[float], fast_math: bool) -> None:
+                    activation_clamp: Optional[float], fast_math: bool, weight_addresses: Optional[tuple] = None) -> None:
     """Launch one rank's kernel on the current stream (see `deep_gemm.fp8_mega_moe`); the C++ launcher
     picks the kernel variant (JIT-compiled on first use, or found in DG_JIT_CACHE_DIR).
+    `weight_addresses`: the six of `_weight_addresses(kind, l1, l2)` (the entry point's checks return
+    them), None to read them here.
 
     This runs on every eager call, so it reads only attributes and addresses: the arguments go to
     `_C.launch_mega_moe` positionally (keyword matching costs ~1 us a call), the stream as a raw
-    handle, and the C++ side reuses the tensor maps of earlier calls with the same buffers and
-    weights (its launch plans)."""
+    handle, the GPU's constants from the buffer, and the C++ side reuses the tensor maps of earlier
+    calls with the same buffers and weights (its launch plans)."""
     # A previous call on this buffer that failed is reported now, without a sync (DESIGN.md §6)
     status.raise_if_failed(buf)
     mirror = status.host_status(buf)
-    # (weights, FP32 block scales, FP4 exponent deltas) addresses; 0 where a format has none
-    if kind == 'bf16xbf16':
-        l1_p, l2_p = (l1.data_ptr(), 0, 0), (l2.data_ptr(), 0, 0)
-    elif kind == 'fp8xfp8':
-        l1_p, l2_p = (l1[0].data_ptr(), l1[1].data_ptr(), 0), (l2[0].data_ptr(), l2[1].data_ptr(), 0)
-    else:   # fp8xfp4: (packed E2M1, delta, block_scale) from transform_weights_for_mega_moe
-        l1_p = (l1[0].data_ptr(), l1[2].data_ptr(), l1[1].data_ptr())
-        l2_p = (l2[0].data_ptr(), l2[2].data_ptr(), l2[1].data_ptr())
-    device = y.device
-    num_sms = buf.num_sms or _C.get_num_sms()
-    trace = getattr(buf, '_trace', None)
+    if weight_addresses is None:
+        weight_addresses = _weight_addresses(kind, l1, l2)
+    index, max_smem, hbm_gbps = _device_constants(buf)
+    trace = buf._trace
     # The argument order of _C.launch_mega_moe (csrc/apis/mega_moe.hpp)
     _C.launch_mega_moe(
         MMA_TYPES[kind], buf.peer_ptrs, buf.rank, buf.num_experts, buf.num_max_tokens_per_rank, buf.num_topk,
-        buf.hidden, buf.intermediate_hidden, y.shape[0], y.data_ptr(), *l1_p, *l2_p,
+        buf.hidden, buf.intermediate_hidden, y.shape[0], y.data_ptr(), *weight_addresses,
         0 if stats is None else stats.data_ptr(), 0 if mirror is None else mirror.data_ptr(),
-        0 if trace is None else trace.data_ptr(), _raw_stream(_device_index(device)),
+        0 if trace is None else trace.data_ptr(), _raw_stream(index),
         0.0 if activation_clamp is None else float(activation_clamp), bool(fast_math), status.get_timeout(),
-        int(num_sms), _max_smem(device), bool(buf.peers_on_this_gpu), ranks_share_gpu(buf), _hbm_gbps(device))
+        buf.num_sms or _C.get_num_sms(), max_smem, bool(buf.peers_on_this_gpu), ranks_share_gpu(buf), hbm_gbps)
+
+
+def launch_stage(buf, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> None:
+    """`SymmBuffer.stage`'s launch (its arguments checked there): one kernel fills the buffer's inputs."""
+    n = x.shape[0]
+    index = _device_constants(buf)[0]
+    # The argument order of _C.launch_mega_moe_stage (csrc/apis/mega_moe.hpp), positional as above
+    _C.launch_mega_moe_stage(
+        MMA_TYPES[buf.mma_type], buf.num_ranks, buf.num_experts, buf.num_max_tokens_per_rank, buf.num_topk, buf.hidden,
+        buf.intermediate_hidden, buf.buffer.data_ptr(), x.data_ptr(), x.stride(0) if n > 0 else buf.hidden,
+        topk_idx.data_ptr(), topk_weights.data_ptr(), n, _C.get_num_sms(), _raw_stream(index))

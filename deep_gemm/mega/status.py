@@ -10,6 +10,7 @@ Encoding (deep_gemm/include/deep_gemm/impls/mega_moe_params.cuh): bits 0-7 code,
 """
 from __future__ import annotations
 
+import math
 import os
 from typing import Optional
 
@@ -29,11 +30,29 @@ PHASES = {_PHASE['none']: 'none', _PHASE['recv_counts']: 'waiting for receive co
           _PHASE['combine_wait']: 'combine waiting for peers', _PHASE['pipeline']: 'pipeline', _PHASE['count']: 'count'}
 _ERROR, _ABORT = _C.kStatusError, _C.kStatusAbort
 
-_timeout_s: Optional[float] = None
+_timeout_s: Optional[float] = None   # set_timeout's
+
+
+def _env_timeout() -> Optional[float]:
+    """DG_TIMEOUT_S in seconds, None when unset, NaN when not a positive number (get_timeout raises)."""
+    value = os.environ.get('DG_TIMEOUT_S')
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        return math.nan
+    return seconds if seconds > 0 else math.nan
+
+
+# DG_TIMEOUT_S, read once, when deep_gemm is imported: every launch passes the bound, and an
+# environment lookup costs ~1 us (docs/PERF.md, session 49); set_timeout changes it later
+_env_timeout_s: Optional[float] = _env_timeout()
+DEFAULT_TIMEOUT_S = 5.0
 
 
 def set_timeout(seconds: float) -> None:
-    """Bound every spin-wait of the Mega MoE kernels (default `DG_TIMEOUT_S`, else 5 s)."""
+    """Bound every spin-wait of the Mega MoE kernels (default `DG_TIMEOUT_S` as at import, else 5 s)."""
     global _timeout_s
     if not (isinstance(seconds, (int, float)) and seconds > 0):
         raise ValueError(f'seconds: expected a positive number, got {seconds!r}')
@@ -41,10 +60,19 @@ def set_timeout(seconds: float) -> None:
 
 
 def get_timeout() -> float:
-    """Current spin-wait bound in seconds."""
+    """Current spin-wait bound in seconds: `set_timeout`'s, else `DG_TIMEOUT_S` as at import, else 5."""
     if _timeout_s is not None:
         return _timeout_s
-    return float(os.environ.get('DG_TIMEOUT_S', '5'))
+    if _env_timeout_s is None:
+        return DEFAULT_TIMEOUT_S
+    if math.isnan(_env_timeout_s):
+        raise ValueError(f'DG_TIMEOUT_S = {os.environ.get("DG_TIMEOUT_S")!r}: expected a positive number of seconds')
+    return _env_timeout_s
+
+
+def timeout_from_environment() -> bool:
+    """Whether DG_TIMEOUT_S was set when deep_gemm was imported."""
+    return _env_timeout_s is not None
 
 
 class MegaMoEError(RuntimeError):

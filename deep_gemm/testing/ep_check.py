@@ -94,11 +94,9 @@ def _weights_checksum(weights: moe_case.MoEWeights) -> List[int]:
 
 
 def allow_cold_jit() -> None:
-    """Raise the kernel's spin-wait bound to COLD_JIT_TIMEOUT_S unless DG_TIMEOUT_S says otherwise."""
-    import os
-
+    """Raise the kernel's spin-wait bound to COLD_JIT_TIMEOUT_S unless DG_TIMEOUT_S (as at import) says otherwise."""
     from ..mega import status
-    if 'DG_TIMEOUT_S' not in os.environ:
+    if not status.timeout_from_environment():
         status.set_timeout(max(status.get_timeout(), COLD_JIT_TIMEOUT_S))
 
 
