@@ -11,6 +11,7 @@ so the host is not held by the GPU) of:
   _C         `_C.launch_mega_moe` alone, with the arguments the launcher passed (C++: pybind11's argument
              conversion, the heuristic, the launch plan or its tensor maps, cuLaunchKernelEx)
   replay     a CUDA graph of the same call, `graph.replay()` (what a server that captures pays)
+  stage      `buf.stage(x, topk_idx, topk_weights)` (checks and the staging kernel's launch), eager
 Needs an SM90 GPU.
 """
 import argparse
@@ -75,7 +76,7 @@ def main() -> None:
     if len(cases) % 6:
         parser.error(f'cases come in groups of 6 (fmt hidden inter experts topk n), got {len(cases)} values')
     print(f'# {torch.cuda.get_device_name()}: host us per call, median of 15 rounds of {args.calls} calls')
-    print(f'{"case":<34} {"entry":>7} {"checks":>7} {"launcher":>9} {"_C":>7} {"replay":>7}')
+    print(f'{"case":<34} {"entry":>7} {"checks":>7} {"launcher":>9} {"_C":>7} {"replay":>7} {"stage":>7}')
     for c in range(0, len(cases), 6):
         fmt = cases[c]
         h, i, e, k, n = map(int, cases[c + 1:c + 6])
@@ -94,9 +95,10 @@ def main() -> None:
             per_call_us(lambda: launch.launch_mega_moe(fmt, y, l1, l2, buf, None, None, True), args.calls),
             per_call_us(lambda: launch._C.launch_mega_moe(*c_args, **c_kwargs), args.calls),
             per_call_us(graph.replay, args.calls),
+            per_call_us(lambda: buf.stage(inputs[0].x, inputs[0].topk_idx, inputs[0].topk_weights), args.calls),
         ]
         buf.check()
-        print(f'{fmt + f" {h}/{i}/{e}/{k} n={n}":<34} ' + ' '.join(f'{v:>{wd}.1f}' for v, wd in zip(row, (7, 7, 9, 7, 7))),
+        print(f'{fmt + f" {h}/{i}/{e}/{k} n={n}":<34} ' + ' '.join(f'{v:>{wd}.1f}' for v, wd in zip(row, (7, 7, 9, 7, 7, 7))),
               flush=True)
         del w, l1, l2, buf, inputs, y, graph, c_args, c_kwargs
 
