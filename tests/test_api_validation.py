@@ -213,19 +213,47 @@ def _first(w):
     return w if isinstance(w, torch.Tensor) else w[0]
 
 
-def test_weights_checked_once_then_remembered(case):
+class _CheckCounter:
+    """Counts the full weight checks (api._check_weights) the calls run."""
+
+    def __init__(self, monkeypatch):
+        self.calls = 0
+        real = mega_api._check_weights
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return real(*args, **kwargs)
+        monkeypatch.setattr(mega_api, '_check_weights', counted)
+
+
+def test_weights_checked_once_then_remembered(monkeypatch, case):
+    checks = _CheckCounter(monkeypatch)
     case.reject(RuntimeError, 'SM90')
-    memo = case.buf._checked_weights
-    assert memo is not None and memo.matches(case.l1, case.l2)
+    assert checks.calls == 2                                    # l1 and l2
     case.reject(RuntimeError, 'SM90')
-    assert case.buf._checked_weights is memo, 'the second call checked the same weights again'
+    assert checks.calls == 2, 'the second call checked the same weights again'
     if case.mma_type != 'bf16xbf16':
         # the same tensors in new containers (a list too) are the same weights
         case.reject(RuntimeError, 'SM90', l1_weights=list(case.l1), l2_weights=tuple(case.l2))
-        assert case.buf._checked_weights is memo
+        assert checks.calls == 2
         # another tensor in the container is not
-        other = (_first(case.l1).clone(), *case.l1[1:])
-        assert not memo.matches(other, case.l2)
+        case.reject(RuntimeError, 'SM90', l1_weights=(_first(case.l1).clone(), *case.l1[1:]))
+        assert checks.calls == 4
+
+
+def test_layers_sharing_a_buffer_are_each_checked_once(monkeypatch, case):
+    # A model's layers call one buffer in turn, each with its own weights
+    layers = [make_weights(case.mma_type) for _ in range(3)]
+    checks = _CheckCounter(monkeypatch)
+    for _ in range(3):
+        for l1, l2 in layers:
+            case.reject(RuntimeError, 'SM90', l1_weights=l1, l2_weights=l2)
+    assert checks.calls == 2 * len(layers)
+    # a layer's weights freed: its entry goes with them
+    assert len(case.buf._checked_weights) == len(layers)
+    del layers[1:], l1, l2
+    gc.collect()
+    assert len(case.buf._checked_weights) == 1
 
 
 def test_weight_moved_after_a_call_is_checked_again(case):
@@ -237,12 +265,12 @@ def test_weight_moved_after_a_call_is_checked_again(case):
 
 def test_weight_freed_and_replaced_is_checked_again(case):
     case.reject(RuntimeError, 'SM90')
-    memo = case.buf._checked_weights
+    assert len(case.buf._checked_weights) == 1
     if case.mma_type == 'bf16xbf16':
         case.l2 = torch.zeros(E, H, I, dtype=torch.float32)   # the old l2 dies here
     else:
         case.l2 = (case.l2[0], torch.zeros(case.l2[1].shape, dtype=torch.float64), *case.l2[2:])
-    assert not memo.alive[0], 'the death of a checked weight did not end the memo'
+    assert not case.buf._checked_weights, 'the death of a checked weight did not end its entry'
     case.reject(TypeError, r'l2_weights.*must be torch\.(bfloat16|float32|uint8), got torch\.float(32|64)')
 
 

@@ -21,7 +21,7 @@ import math
 import numbers
 import os
 import weakref
-from typing import Iterable, List, Optional, Tuple, Union
+from typing import Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
@@ -96,45 +96,60 @@ _ADDRESS_ORDER = {'bf16xbf16': (0, None, None), 'fp8xfp8': (0, 1, None), 'fp8xfp
 _data_ptr = torch.Tensor.data_ptr
 
 
+# Weight sets a buffer remembers as checked: a model's layers (tens to a few hundred weight sets)
+# usually share one buffer; past this many the memo starts over
+_MAX_CHECKED_WEIGHT_SETS = 1024
+
+
+def _weight_objects(l1_weights: object, l2_weights: object) -> Optional[tuple]:
+    """The tensors (or whatever stands in their place) of a call's l1 and l2, flat; None when they
+    cannot be weights of any format."""
+    if isinstance(l1_weights, torch.Tensor) and isinstance(l2_weights, torch.Tensor):
+        return l1_weights, l2_weights
+    if type(l1_weights) in (tuple, list) and type(l2_weights) in (tuple, list):
+        return (*l1_weights, *l2_weights)
+    return None
+
+
 class _CheckedWeights:
-    """The weight tensors a buffer's last call passed, as checked, and their addresses
-    (`SymmBuffer._checked_weights`).
+    """One weight set as checked, and its kernel addresses: an entry of `SymmBuffer._checked_weights`,
+    keyed by the `id`s of its tensors.
 
     `_check_weights` reads ~6 attributes per tensor (~1 us a tensor on a server's host) on every call,
-    although a server passes the same weight tensors every time. So a call whose weights are the very
-    tensor objects the previous call checked, each still at the address it was checked at, skips
-    them: the kernel reads weights by address, with the shapes the buffer gives, so a weight still at
-    its checked address still holds what the checks saw; a `.data =` or `set_()` that moves a weight
-    is seen and the full checks run again. No weight is kept alive: a weak reference to each ends the
-    memo when its tensor dies (an `id` names one object only while it lives). ~1 us against ~4
-    (FP8, this machine's CPU; docs/PERF.md, session 49)."""
-    __slots__ = ('bare', 'ids', 'ptrs', 'addresses', 'alive', 'refs')
+    although a server passes the same weight tensors every time (one set per layer). So a call whose
+    weights are the very tensor objects an earlier call on the buffer checked, each still at the
+    address it was checked at, skips them: the kernel reads weights by address, with the shapes the
+    buffer gives, so a weight still at its checked address still holds what the checks saw; a
+    `.data =` or `set_()` that moves a weight is seen and the full checks run again. No weight is
+    kept alive: a weak reference to each removes the entry when its tensor dies (an `id` names one
+    object only while it lives). ~1 us against ~4 (FP8, this machine's CPU; docs/PERF.md, session 49)."""
+    __slots__ = ('ptrs', 'addresses', 'refs')
 
-    def __init__(self, kind: str, l1_weights: object, l1_tensors: Tuple[torch.Tensor, ...],
-                 l2_tensors: Tuple[torch.Tensor, ...]) -> None:
+    def __init__(self, kind: str, l1_tensors: Tuple[torch.Tensor, ...], l2_tensors: Tuple[torch.Tensor, ...],
+                 memo: Dict[tuple, '_CheckedWeights']) -> None:
         tensors = l1_tensors + l2_tensors
-        self.bare = isinstance(l1_weights, torch.Tensor)   # bf16xbf16: each of l1, l2 is the tensor itself
-        self.ids = tuple(map(id, tensors))
         self.ptrs = tuple(map(_data_ptr, tensors))
         order = _ADDRESS_ORDER[kind]
         self.addresses = tuple(0 if k is None else ts[k].data_ptr() for ts in (l1_tensors, l2_tensors) for k in order)
-        alive = self.alive = [True]   # a list: the callbacks hold it, not this object
+        key = tuple(map(id, tensors))
 
-        def forget(_ref) -> None:
-            alive[0] = False
+        def forget(_ref) -> None:   # holds the memo, not the buffer
+            memo.pop(key, None)
         self.refs = tuple(weakref.ref(t, forget) for t in tensors)
+        if len(memo) >= _MAX_CHECKED_WEIGHT_SETS:
+            memo.clear()
+        memo[key] = self
 
-    def matches(self, l1_weights: object, l2_weights: object) -> bool:
-        if not self.alive[0]:
-            return False
-        if self.bare:
-            current = (l1_weights, l2_weights)
-        elif type(l1_weights) in (tuple, list) and type(l2_weights) in (tuple, list):
-            current = (*l1_weights, *l2_weights)
-        else:
-            return False
-        # ids first: past them every element is one of the checked tensors
-        return tuple(map(id, current)) == self.ids and tuple(map(_data_ptr, current)) == self.ptrs
+    @staticmethod
+    def find(memo: Dict[tuple, '_CheckedWeights'], weights: Optional[tuple]) -> Optional['_CheckedWeights']:
+        """The entry of these weight objects if each is still at its checked address."""
+        if weights is None:
+            return None
+        checked = memo.get(tuple(map(id, weights)))
+        # a hit: every element is one of the entry's tensors, all alive (a dead one removed the entry)
+        if checked is None or tuple(map(_data_ptr, weights)) != checked.ptrs:
+            return None
+        return checked
 
 
 def _validate(kind: str, y: object, l1_weights: object, l2_weights: object, sym_buffer: object,
@@ -166,12 +181,12 @@ def _validate(kind: str, y: object, l1_weights: object, l2_weights: object, sym_
     if not y.is_contiguous():
         raise ValueError('y must be contiguous')
 
-    checked = sym_buffer._checked_weights
-    if checked is None or not checked.matches(l1_weights, l2_weights):
+    memo = sym_buffer._checked_weights
+    checked = _CheckedWeights.find(memo, _weight_objects(l1_weights, l2_weights))
+    if checked is None:
         l1_spec, l2_spec = _weight_specs(kind, e, sym_buffer.intermediate_hidden, h)
-        checked = _CheckedWeights(kind, l1_weights, _check_weights('l1_weights', l1_weights, l1_spec, device),
-                                  _check_weights('l2_weights', l2_weights, l2_spec, device))
-        sym_buffer._checked_weights = checked
+        checked = _CheckedWeights(kind, _check_weights('l1_weights', l1_weights, l1_spec, device),
+                                  _check_weights('l2_weights', l2_weights, l2_spec, device), memo)
 
     stats = cumulative_local_expert_recv_stats
     if stats is not None:

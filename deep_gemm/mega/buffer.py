@@ -106,9 +106,10 @@ class SymmBuffer:
         self.num_sms: Optional[int] = None
         self._host_status: Optional[torch.Tensor] = None
         self._host_status_words = None   # a numpy view of _host_status (status.host_status)
-        # Kept for the entry points' host time (docs/PERF.md, session 49): the weights the last call
-        # passed as checked (api._CheckedWeights) and the GPU's launch constants (launch._device_constants)
-        self._checked_weights = None
+        # Kept for the entry points' host time (docs/PERF.md, session 49): the weight sets calls passed,
+        # as checked (api._CheckedWeights, by their tensors' ids), and the GPU's launch constants
+        # (launch._device_constants)
+        self._checked_weights: Dict[tuple, object] = {}
         self._launch_device_constants: Optional[tuple] = None
         self._trace: Optional[torch.Tensor] = None   # scripts/trace.py: the kernel's per-CTA time stamps
 
