@@ -283,10 +283,18 @@ def test_checked_weights_keep_no_weights_alive(case):
 
 
 def test_checked_addresses_are_the_launchers(case):
-    from deep_gemm.mega import launch
+    from deep_gemm.mega.transform import kernel_weight_addresses
     for _ in range(2):   # checked, then from the memo
         addresses = mega_api._validate(case.mma_type, case.y, case.l1, case.l2, case.buf, None, 'swiglu', None, True, 'f')
-        assert addresses == launch._weight_addresses(case.mma_type, case.l1, case.l2)
+        assert addresses == kernel_weight_addresses(case.mma_type, case.l1, case.l2)
+        # each in its place: the weights' own address first, then the scales' and deltas' (or 0)
+        if case.mma_type == 'bf16xbf16':
+            expected = (case.l1.data_ptr(), 0, 0)
+        elif case.mma_type == 'fp8xfp8':
+            expected = (case.l1[0].data_ptr(), case.l1[1].data_ptr(), 0)
+        else:   # (packed codes, delta, block_scale): the kernel takes (codes, block scales, deltas)
+            expected = (case.l1[0].data_ptr(), case.l1[2].data_ptr(), case.l1[1].data_ptr())
+        assert addresses[:3] == expected
         assert len(addresses) == 6 and all(isinstance(a, int) for a in addresses) and addresses[0] != 0
 
 

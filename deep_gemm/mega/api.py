@@ -26,7 +26,7 @@ from typing import Dict, Iterable, List, Optional, Tuple, Union
 import torch
 
 from .buffer import SymmBuffer
-from .transform import FP4_DELTA_BLOCK_BYTES, FP4_PACKED_BLOCK_BYTES, Weights
+from .transform import FP4_DELTA_BLOCK_BYTES, FP4_PACKED_BLOCK_BYTES, Weights, kernel_weight_addresses
 
 # Expected kernel-format weights per MMA type: one (name, dtype, shape) entry per tensor of l1 / l2,
 # shapes as functions of (E_local, I, H). A plain tensor for bf16, a tuple otherwise.
@@ -88,11 +88,6 @@ def _check_weights(arg: str, weights: object, spec: _WeightSpec, device: torch.d
     return tensors
 
 
-# The kernel's weight addresses per format, from the checked tensors of l1 and of l2 (in
-# `_weight_specs` order): (weights, FP32 block scales, FP4 exponent deltas) each, 0 where a format has none
-_ADDRESS_ORDER = {'bf16xbf16': (0, None, None), 'fp8xfp8': (0, 1, None), 'fp8xfp4': (0, 2, 1)}
-
-
 _data_ptr = torch.Tensor.data_ptr
 
 
@@ -129,8 +124,7 @@ class _CheckedWeights:
                  memo: Dict[tuple, '_CheckedWeights']) -> None:
         tensors = l1_tensors + l2_tensors
         self.ptrs = tuple(map(_data_ptr, tensors))
-        order = _ADDRESS_ORDER[kind]
-        self.addresses = tuple(0 if k is None else ts[k].data_ptr() for ts in (l1_tensors, l2_tensors) for k in order)
+        self.addresses = kernel_weight_addresses(kind, l1_tensors, l2_tensors)
         key = tuple(map(id, tensors))
 
         def forget(_ref) -> None:   # holds the memo, not the buffer

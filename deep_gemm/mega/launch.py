@@ -18,6 +18,7 @@ import torch
 from .. import _C
 from . import status
 from .buffer import MMA_TYPES, mma_type_to_int
+from .transform import kernel_weight_addresses
 
 _device_info_by_index = {}
 
@@ -136,17 +137,6 @@ def compile_mega_moe_kernel(kind: str, num_tokens: int, buf, fast_math: bool = T
     _compiled_calls.add(key)
 
 
-def _weight_addresses(kind: str, l1, l2) -> tuple:
-    """(weights, FP32 block scales, FP4 exponent deltas) of l1, then of l2; 0 where a format has none
-    (`deep_gemm.mega.api._validate` returns the same from its checked tensors)."""
-    if kind == 'bf16xbf16':
-        return l1.data_ptr(), 0, 0, l2.data_ptr(), 0, 0
-    if kind == 'fp8xfp8':
-        return l1[0].data_ptr(), l1[1].data_ptr(), 0, l2[0].data_ptr(), l2[1].data_ptr(), 0
-    # fp8xfp4: (packed E2M1, delta, block_scale) from transform_weights_for_mega_moe
-    return l1[0].data_ptr(), l1[2].data_ptr(), l1[1].data_ptr(), l2[0].data_ptr(), l2[2].data_ptr(), l2[1].data_ptr()
-
-
 def _device_constants(buf) -> tuple:
     """(device index, opt-in shared memory per block, peak HBM GB/s) of the buffer's GPU, kept on the buffer."""
     constants = buf._launch_device_constants
@@ -160,8 +150,8 @@ def launch_mega_moe(kind: str, y: torch.Tensor, l1, l2, buf, stats: Optional[tor
                     activation_clamp: Optional[float], fast_math: bool, weight_addresses: Optional[tuple] = None) -> None:
     """Launch one rank's kernel on the current stream (see `deep_gemm.fp8_mega_moe`); the C++ launcher
     picks the kernel variant (JIT-compiled on first use, or found in DG_JIT_CACHE_DIR).
-    `weight_addresses`: the six of `_weight_addresses(kind, l1, l2)` (the entry point's checks return
-    them), None to read them here.
+    `weight_addresses`: the six of `transform.kernel_weight_addresses(kind, l1, l2)` (the entry point's
+    checks return them), None to read them here.
 
     This runs on every eager call, so it reads only attributes and addresses: the arguments go to
     `_C.launch_mega_moe` positionally (keyword matching costs ~1 us a call), the stream as a raw
@@ -171,7 +161,7 @@ def launch_mega_moe(kind: str, y: torch.Tensor, l1, l2, buf, stats: Optional[tor
     status.raise_if_failed(buf)
     mirror = status.host_status(buf)
     if weight_addresses is None:
-        weight_addresses = _weight_addresses(kind, l1, l2)
+        weight_addresses = kernel_weight_addresses(kind, l1, l2)
     index, max_smem, hbm_gbps = _device_constants(buf)
     trace = buf._trace
     # The argument order of _C.launch_mega_moe (csrc/apis/mega_moe.hpp)

@@ -97,6 +97,19 @@ WeightsFP8 = Tuple[torch.Tensor, torch.Tensor]
 WeightsFP4 = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 Weights = Union[WeightsBF16, WeightsFP8, WeightsFP4]
 
+# Where the kernel's (weights, FP32 block scales, FP4 exponent deltas) of one layer's weights sit in
+# the format's tuple (None: the format has none): bf16 (w,), fp8 (w, scales), fp4 (w, delta, block_scale)
+_KERNEL_WEIGHT_ORDER = {'bf16xbf16': (0, None, None), 'fp8xfp8': (0, 1, None), 'fp8xfp4': (0, 2, 1)}
+
+
+def kernel_weight_addresses(mma_type: str, l1, l2) -> Tuple[int, ...]:
+    """The six addresses the kernel takes of transformed weights (`transform_weights_for_mega_moe`): l1's
+    weights, block scales and FP4 deltas, then l2's; 0 where the format has none. A bf16 layer's weights
+    may be the tensor itself or a 1-tuple of it."""
+    order = _KERNEL_WEIGHT_ORDER[mma_type]
+    return tuple(0 if k is None else (w if isinstance(w, torch.Tensor) else w[k]).data_ptr()
+                 for w in (l1, l2) for k in order)
+
 
 # --------------------------------------------------------------------------------------------------
 # E2M1 -> E4M3 expansion table
