@@ -239,6 +239,8 @@ def test_weights_checked_once_then_remembered(monkeypatch, case):
         # another tensor in the container is not
         case.reject(RuntimeError, 'SM90', l1_weights=(_first(case.l1).clone(), *case.l1[1:]))
         assert checks.calls == 4
+        # nor are the same tensors held another way (one of l1's moved into l2)
+        case.reject(TypeError, r'l1_weights must be a \d-tuple', l1_weights=case.l1[:-1], l2_weights=(case.l1[-1], *case.l2))
 
 
 def test_layers_sharing_a_buffer_are_each_checked_once(monkeypatch, case):

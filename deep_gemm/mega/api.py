@@ -96,14 +96,17 @@ _data_ptr = torch.Tensor.data_ptr
 _MAX_CHECKED_WEIGHT_SETS = 1024
 
 
-def _weight_objects(l1_weights: object, l2_weights: object) -> Optional[tuple]:
-    """The tensors (or whatever stands in their place) of a call's l1 and l2, flat; None when they
-    cannot be weights of any format."""
+def _weights_key(l1_weights: object, l2_weights: object) -> Optional[Tuple[tuple, tuple]]:
+    """(memo key, the objects in it) of a call's l1 and l2: the objects' `id`s and how l1 and l2 hold
+    them (a tensor each, or tuples, l1's length first), so that the same tensors in another
+    arrangement are not the same weights; None when they cannot be weights of any format."""
     if isinstance(l1_weights, torch.Tensor) and isinstance(l2_weights, torch.Tensor):
-        return l1_weights, l2_weights
-    if type(l1_weights) in (tuple, list) and type(l2_weights) in (tuple, list):
-        return (*l1_weights, *l2_weights)
-    return None
+        objects, arrangement = (l1_weights, l2_weights), -1
+    elif type(l1_weights) in (tuple, list) and type(l2_weights) in (tuple, list):
+        objects, arrangement = (*l1_weights, *l2_weights), len(l1_weights)
+    else:
+        return None
+    return (arrangement, *map(id, objects)), objects
 
 
 class _CheckedWeights:
@@ -121,11 +124,10 @@ class _CheckedWeights:
     __slots__ = ('ptrs', 'addresses', 'refs')
 
     def __init__(self, kind: str, l1_tensors: Tuple[torch.Tensor, ...], l2_tensors: Tuple[torch.Tensor, ...],
-                 memo: Dict[tuple, '_CheckedWeights']) -> None:
+                 memo: Dict[tuple, '_CheckedWeights'], key: Optional[tuple]) -> None:
         tensors = l1_tensors + l2_tensors
         self.ptrs = tuple(map(_data_ptr, tensors))
         self.addresses = kernel_weight_addresses(kind, l1_tensors, l2_tensors)
-        key = tuple(map(id, tensors))
 
         def forget(_ref) -> None:   # holds the memo, not the buffer
             memo.pop(key, None)
@@ -135,13 +137,14 @@ class _CheckedWeights:
         memo[key] = self
 
     @staticmethod
-    def find(memo: Dict[tuple, '_CheckedWeights'], weights: Optional[tuple]) -> Optional['_CheckedWeights']:
-        """The entry of these weight objects if each is still at its checked address."""
-        if weights is None:
+    def find(memo: Dict[tuple, '_CheckedWeights'], found: Optional[Tuple[tuple, tuple]]) -> Optional['_CheckedWeights']:
+        """The entry of a call's weights (`_weights_key`) if each is still at its checked address."""
+        if found is None:
             return None
-        checked = memo.get(tuple(map(id, weights)))
-        # a hit: every element is one of the entry's tensors, all alive (a dead one removed the entry)
-        if checked is None or tuple(map(_data_ptr, weights)) != checked.ptrs:
+        key, objects = found
+        checked = memo.get(key)
+        # a hit: every object is one of the entry's tensors, all alive (a dead one removed the entry)
+        if checked is None or tuple(map(_data_ptr, objects)) != checked.ptrs:
             return None
         return checked
 
@@ -176,11 +179,13 @@ def _validate(kind: str, y: object, l1_weights: object, l2_weights: object, sym_
         raise ValueError('y must be contiguous')
 
     memo = sym_buffer._checked_weights
-    checked = _CheckedWeights.find(memo, _weight_objects(l1_weights, l2_weights))
+    found = _weights_key(l1_weights, l2_weights)
+    checked = _CheckedWeights.find(memo, found)
     if checked is None:
         l1_spec, l2_spec = _weight_specs(kind, e, sym_buffer.intermediate_hidden, h)
-        checked = _CheckedWeights(kind, _check_weights('l1_weights', l1_weights, l1_spec, device),
-                                  _check_weights('l2_weights', l2_weights, l2_spec, device), memo)
+        l1_tensors = _check_weights('l1_weights', l1_weights, l1_spec, device)
+        l2_tensors = _check_weights('l2_weights', l2_weights, l2_spec, device)
+        checked = _CheckedWeights(kind, l1_tensors, l2_tensors, memo, found[0])   # valid weights have a key
 
     stats = cumulative_local_expert_recv_stats
     if stats is not None:
