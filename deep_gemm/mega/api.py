@@ -25,6 +25,7 @@ from typing import Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
+from . import launch
 from .buffer import SymmBuffer
 from .transform import FP4_DELTA_BLOCK_BYTES, FP4_PACKED_BLOCK_BYTES, Weights, kernel_weight_addresses
 
@@ -111,7 +112,7 @@ def _weights_key(l1_weights: object, l2_weights: object) -> Optional[Tuple[tuple
 
 class _CheckedWeights:
     """One weight set as checked, and its kernel addresses: an entry of `SymmBuffer._checked_weights`,
-    keyed by the `id`s of its tensors.
+    keyed by `_weights_key` (its tensors' `id`s and how the call's l1 and l2 held them).
 
     `_check_weights` reads ~6 attributes per tensor (~1 us a tensor on a server's host) on every call,
     although a server passes the same weight tensors every time (one set per layer). So a call whose
@@ -232,19 +233,6 @@ def _check_routing_on_host(sym_buffer: SymmBuffer, n: int) -> None:
 # DG_CHECK_INPUTS, read once, when this module is imported: an environment lookup costs ~1 us, and
 # this is every call's path (docs/PERF.md, session 49)
 _check_inputs: bool = os.environ.get('DG_CHECK_INPUTS', '0') == '1'
-_launch = None   # deep_gemm.mega.launch, imported by the first call that reaches it
-
-
-def _launcher(function: str):
-    global _launch
-    try:
-        from . import launch
-    except ModuleNotFoundError as e:
-        if e.name != f'{__package__}.launch':
-            raise
-        raise NotImplementedError(f'{function}: the kernel launcher (deep_gemm.mega.launch) is not built yet') from e
-    _launch = launch
-    return launch
 
 
 def _run(kind: str, function: str, y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert_recv_stats,
@@ -255,7 +243,7 @@ def _run(kind: str, function: str, y, l1_weights, l2_weights, sym_buffer, cumula
         _check_routing_on_host(sym_buffer, y.shape[0])
     if y.device.type != 'cuda':
         raise RuntimeError(f'{function} needs an SM90 (Hopper) GPU; y and sym_buffer are on {y.device}')
-    (_launch or _launcher(function)).launch_mega_moe(
+    launch.launch_mega_moe(
         kind, y, l1_weights, l2_weights, sym_buffer, cumulative_local_expert_recv_stats,
         None if activation_clamp is None else float(activation_clamp), fast_math, weight_addresses)
 
@@ -355,7 +343,6 @@ def prepare_mega_moe_kernels(sym_buffer: SymmBuffer, num_tokens: Union[None, int
             raise ValueError(f'num_tokens: n = {n} is invalid: expected 0 <= n <= num_max_tokens_per_rank = {most}')
     if not isinstance(fast_math, bool):
         raise TypeError(f'fast_math = {fast_math!r} must be a bool')
-    from . import launch
     return launch.prepare_kernels(sym_buffer, counts, fast_math)
 
 
