@@ -1,6 +1,6 @@
 """Time the fused kernel alone, for A/B comparisons of kernel changes within one device call.
 
-    python scripts/time_fused.py [--reps R] [--sys-scope] [--floor] [--flush write|read|none] fmt hidden inter experts topk n [fmt hidden ...]
+    python scripts/time_fused.py [--reps R] [--sys-scope] [--floor] [--stage] [--flush write|read|none] fmt hidden inter experts topk n [fmt hidden ...]
 
 Per case: median of R CUDA-graph replays of one EP1 call (L2 flushed before each, as in
 `deep_gemm.bench`), no baseline. Run it twice per variant, interleaved (A B A B), with PYTHONPATH
@@ -9,6 +9,9 @@ same GPU, which separate calls (a fresh machine each) cannot. --sys-scope makes 
 its signals at system scope, as with peers on other GPUs (SymmBuffer.peers_on_this_gpu = False).
 --floor first times, the same way, a graph of one one-element kernel: what the method reports for a
 kernel that does nothing (graph launch, event pair, the first kernel after the flush).
+--stage: each replay is a decode step's two launches, `buf.stage(x, topk_idx, topk_weights)` (BF16 x
+quantized into the buffer) and then the fused call, as a server runs them: the time of both, the
+second launched as a programmatic dependent of the first unless DG_MEGA_MOE_PDL=0.
 --flush read / none: a diagnostic flush that leaves L2 clean (bench_utils.L2Flusher) / no flush.
 """
 import argparse
@@ -27,6 +30,7 @@ def main() -> None:
     parser.add_argument('--reps', type=int, default=30)
     parser.add_argument('--sys-scope', action='store_true', help='system-scope signals, as with remote peers')
     parser.add_argument('--floor', action='store_true', help='also time a graph of one trivial kernel')
+    parser.add_argument('--stage', action='store_true', help='time buf.stage(...) and the call together')
     parser.add_argument('--flush', choices=('write', 'read', 'none'), default='write',
                         help="L2 flush before each replay: the benchmark's memset (default), a read, or none")
     parser.add_argument('case', nargs='+', help='groups of: fmt hidden inter experts topk n')
@@ -57,10 +61,20 @@ def main() -> None:
         inputs = mc.make_inputs(fmt, [n], h, e, k, seed=1)
         (y,) = mc.run_ranks(w, inputs, [buf])
         l1, l2 = w.per_rank[0]
-        graph, _ = capture_graph(lambda: mega_api.mega_moe_function(fmt)(y, l1, l2, buf))
+        entry = mega_api.mega_moe_function(fmt)
+        if args.stage:
+            x, idx, weights = inputs[0].x, inputs[0].topk_idx, inputs[0].topk_weights
+
+            def step():
+                buf.stage(x, idx, weights)
+                entry(y, l1, l2, buf)
+        else:
+            def step():
+                entry(y, l1, l2, buf)
+        graph, _ = capture_graph(step)
         us = event_median_us(graph.replay, args.reps, flush)
         buf.check()
-        scope = ' (sys scope)' if args.sys_scope else ''
+        scope = (' (sys scope)' if args.sys_scope else '') + (' stage+call' if args.stage else '')
         print(f'{tag}{scope}: {fmt} {h}/{i}/{e}/{k} n={n}: {us:.1f} us', flush=True)
         # l1/l2 hold the case's weights too: without them in the del, an H100 (80 GB) keeps the 7168-wide
         # case's 11 GB of weights while the next case draws its own (OOM at the second such case)

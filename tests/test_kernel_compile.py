@@ -106,6 +106,9 @@ def test_mega_moe_variant_compiles_for_sm90a(variant, requires_nvcc, variants_co
     mma = 'HGMMA' if fmt == 'bf16xbf16' else 'QGMMA'
     assert mma in sass, f'{fmt}: no {mma} in the SASS'
     assert 'UTMALDG' in sass, 'no TMA loads in the SASS'
+    # A programmatic dependent (griddepcontrol.wait: ACQBULK) that never lets its own dependents start
+    # early (griddepcontrol.launch_dependents: PREEXIT), docs/KERNEL.md
+    assert 'ACQBULK' in sass and 'PREEXIT' not in sass, 'the dependent-launch wait, and no early trigger'
     # No accumulator through local memory in a K-loop: every loop (a backward branch) that issues a
     # wgmma holds at most a few local-memory instructions (spilled scalars: 0-4 in every kernel of
     # session 37), not the 64-256 of an accumulator moved out and back each K-block (the BF16 256-wide
@@ -145,8 +148,17 @@ def test_prefill_kernel_with_too_few_stages_for_the_bulk_combine_compiles(requir
 @pytest.mark.parametrize('fp8', [True, False])
 def test_stage_kernel_compiles(fp8, requires_nvcc):
     kernel_dir = _C.compile_mega_moe_stage(fp8)
-    with open(os.path.join(kernel_dir, 'kernel.cubin'), 'rb') as f:
+    cubin = os.path.join(kernel_dir, 'kernel.cubin')
+    with open(cubin, 'rb') as f:
         assert f.read(4) == b'\x7fELF'
+    tool = cuobjdump_path()
+    if tool is None:
+        pytest.skip('cuobjdump not available: compiled, SASS not inspected')
+    sass = subprocess.run([tool, '-sass', cubin], capture_output=True, text=True, check=True).stdout
+    # It lets the Mega MoE kernel that follows start its setup (PREEXIT) and itself waits for the kernel
+    # before it (ACQBULK) before it reads or writes anything
+    assert 'PREEXIT' in sass and 'ACQBULK' in sass
+    assert sass.index('ACQBULK') < min(sass.index(op) for op in ('LDG', 'STG') if op in sass)
 
 
 def test_variants_compile_concurrently(requires_nvcc, tmp_path):

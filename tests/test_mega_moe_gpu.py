@@ -28,6 +28,7 @@ from deep_gemm.testing import MMA_TYPES, calc_diff
 from deep_gemm import _C
 from deep_gemm.mega.launch import _max_smem, kernel_variant
 from deep_gemm.testing import ep_check, moe_case as mc
+from deep_gemm.testing.bench_utils import capture_graph
 
 from conftest import record_diff
 
@@ -491,6 +492,58 @@ def test_back_to_back_changing_calls(mma_type):
                     assert d < TOL[mma_type], f'call {call}'
     for b in bufs:
         b.check()
+
+
+@pytest.mark.parametrize('mma_type', FORMATS)
+def test_stage_then_call_back_to_back(mma_type):
+    """A server's decode steps, `buf.stage(...)` then the call, enqueued back to back with no sync:
+    each kernel launches as a programmatic dependent of the one before it (the call's setup runs
+    while the staging kernel does, the next staging kernel waits for the call that reads the
+    buffer's inputs before it overwrites them); then the same steps twice in one CUDA graph. Every
+    step's output against the reference."""
+    hidden, inter, experts, topk = SMALL
+    w = weights_for(mma_type, hidden, inter, experts, 1)
+    (buf,) = mc.make_buffers(mma_type, 1, experts, 256, topk, hidden, inter)
+    entry = ENTRY[mma_type]
+    g = torch.Generator().manual_seed(5)
+    steps = []
+    for step in range(40):
+        n = int(torch.randint(0, 257, (1,), generator=g)) if step % 4 else 1
+        inp = mc.make_inputs(mma_type, [n], hidden, experts, topk, seed=500 + step, mask_frac=0.3 * (step % 2))[0]
+        y = torch.full((n, hidden), float('nan'), dtype=torch.bfloat16, device='cuda')
+        buf.stage(inp.x, inp.topk_idx, inp.topk_weights)
+        entry(y, *w.per_rank[0], buf)
+        steps.append((inp, y))
+    torch.cuda.synchronize()
+    for step, (inp, y) in enumerate(steps):
+        if inp.x.shape[0]:
+            assert not torch.isnan(y).any(), f'step {step}'
+            d = calc_diff(y.float(), mc.reference(w, inp))
+            record_diff(mma_type, d)
+            assert d < TOL[mma_type], f'step {step}: calc_diff {d:.3e}'
+    # Two steps in one graph (staging -> call -> staging -> call), replayed on new inputs
+    inps = [mc.make_inputs(mma_type, [n], hidden, experts, topk, seed=600 + n)[0] for n in (7, 129)]
+    xs = [(i.x.clone(), i.topk_idx.clone(), i.topk_weights.clone()) for i in inps]
+    ys = [torch.empty(i.x.shape[0], hidden, dtype=torch.bfloat16, device='cuda') for i in inps]
+
+    def two_steps():
+        for (x, idx, weights), y in zip(xs, ys):
+            buf.stage(x, idx, weights)
+            entry(y, *w.per_rank[0], buf)
+    graph, _ = capture_graph(two_steps)
+    for replay in range(2):
+        inps = [mc.make_inputs(mma_type, [n], hidden, experts, topk, seed=700 + 10 * replay + n, mask_frac=0.2)[0]
+                for n in (7, 129)]
+        for (x, idx, weights), inp, y in zip(xs, inps, ys):
+            x.copy_(inp.x), idx.copy_(inp.topk_idx), weights.copy_(inp.topk_weights)
+            y.fill_(float('nan'))
+        graph.replay()
+        torch.cuda.synchronize()
+        for inp, y in zip(inps, ys):
+            d = calc_diff(y.float(), mc.reference(w, inp))
+            record_diff(mma_type, d)
+            assert d < TOL[mma_type], f'graph replay {replay}, n = {inp.x.shape[0]}: calc_diff {d:.3e}'
+    buf.check()
 
 
 @pytest.mark.parametrize('mma_type', FORMATS)

@@ -52,6 +52,10 @@ inline void register_apis(py::module_& m) {
           "Launch one rank's Mega MoE kernel (addresses as ints; validated by deep_gemm.mega.api). hbm_gbps:\n"
           "the GPU's peak HBM bandwidth in GB/s (get_device_info), -1 the current device's.");
 
+    m.def("get_mega_moe_programmatic_launch", [] { return jit_kernels::mega_moe_programmatic_launch(); },
+          "Whether the Mega MoE and staging kernels launch as programmatic dependents of the kernel before them\n"
+          "on the stream (DG_MEGA_MOE_PDL: 1, the default, or 0; read once per process). Works without a GPU.");
+
     m.def("get_num_mega_moe_plans_built", [] { return jit_kernels::num_sm90_mega_moe_plans_built().load(); },
           "Launch plans (kernel, parameter block, tensor maps) built in this process: a call reuses the plan of\n"
           "earlier calls with the same buffers, weights, GPU and kernel variant (tests, host-overhead checks).");

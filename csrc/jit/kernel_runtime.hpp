@@ -40,6 +40,9 @@ struct LaunchConfig {
     bool cooperative = false;
     // Thread-block cluster along x (TMA multicast, distributed shared memory); 1 = no cluster
     uint32_t cluster_dim = 1;
+    // Programmatic dependent launch: the kernel may start while the one before it on the stream
+    // still runs (its `griddepcontrol.wait` then orders its reads after that kernel's writes)
+    bool programmatic = false;
 };
 
 // One kernel loaded in one context. Owned by the cache below; references stay valid for the
@@ -207,7 +210,7 @@ inline void launch(Kernel& kernel, const LaunchConfig& config, void** args) {
                                config.cluster_dim);
     kernel.ensure_dynamic_smem(config.smem_bytes);
 
-    CUlaunchAttribute attributes[2];
+    CUlaunchAttribute attributes[3];
     unsigned num_attributes = 0;
     if (config.cooperative) {
         attributes[num_attributes].id = CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
@@ -218,6 +221,10 @@ inline void launch(Kernel& kernel, const LaunchConfig& config, void** args) {
         attributes[num_attributes].value.clusterDim.x = config.cluster_dim;
         attributes[num_attributes].value.clusterDim.y = 1;
         attributes[num_attributes++].value.clusterDim.z = 1;
+    }
+    if (config.programmatic) {
+        attributes[num_attributes].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attributes[num_attributes++].value.programmaticStreamSerializationAllowed = 1;
     }
 
     CUlaunchConfig launch_config = {};
@@ -235,7 +242,8 @@ inline void launch(Kernel& kernel, const LaunchConfig& config, void** args) {
         context << kernel.symbol() << ": grid (" << g.x << ", " << g.y << ", " << g.z << "), block (" << b.x << ", "
                 << b.y << ", " << b.z << "), " << config.smem_bytes << " B dynamic smem, " << kernel.num_registers()
                 << " registers/thread" << (config.cooperative ? ", cooperative" : "")
-                << (config.cluster_dim > 1 ? ", cluster " + std::to_string(config.cluster_dim) : std::string());
+                << (config.cluster_dim > 1 ? ", cluster " + std::to_string(config.cluster_dim) : std::string())
+                << (config.programmatic ? ", programmatic" : "");
         d.check(result, "cuLaunchKernelEx", context.str());
     }
 }

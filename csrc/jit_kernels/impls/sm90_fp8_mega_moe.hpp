@@ -244,6 +244,14 @@ inline int mega_moe_l1_split_max(MmaType mma_type) {
     return override_max >= 0 ? max_of(override_max, 1) : get_mega_moe_l1_split_max(mma_type);
 }
 
+// Whether the Mega MoE and staging kernels launch as programmatic dependents of the kernel before
+// them on the stream (their setup then overlaps that kernel's tail; docs/KERNEL.md): on, unless
+// the tuning aid DG_MEGA_MOE_PDL=0 (read once per process) turns it off
+inline bool mega_moe_programmatic_launch() {
+    static const int choice = read_env_choice("DG_MEGA_MOE_PDL", {"0", "1"});
+    return choice != 0;
+}
+
 // What a launch derives from a call's fixed arguments (the buffers, shape, weights, GPU and kernel
 // variant) and not from its tokens, outputs or stream: the loaded kernel, the parameter block without
 // the per-call fields, the tensor maps and the grid. Encoding the maps (a driver call each, up to 13)
@@ -408,6 +416,7 @@ inline SM90MegaMoELaunchPlan make_sm90_mega_moe_plan(const SM90MegaMoEArgs& a, c
     plan.launch_config.grid = {static_cast<uint32_t>(config.num_sms), 1, 1};
     plan.launch_config.block = {static_cast<uint32_t>(config.num_threads), 1, 1};
     plan.launch_config.smem_bytes = static_cast<uint32_t>(config.smem_bytes);
+    plan.launch_config.programmatic = mega_moe_programmatic_launch();
     return plan;
 }
 
@@ -491,6 +500,7 @@ inline void launch_mega_moe_stage(MmaType mma_type, const layout::MegaMoELayout&
     config.grid = {static_cast<uint32_t>(std::min(num_tokens, 4 * num_sms)), 1, 1};
     config.block = {256, 1, 1};
     config.stream = reinterpret_cast<CUstream>(stream);
+    config.programmatic = mega_moe_programmatic_launch();
     jit::launch(kernel, config, args);
 }
 

@@ -8,6 +8,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
+#include "../ptx/sm90.cuh"
 #include "mega_moe_params.cuh"
 
 namespace deep_gemm::mega_moe_stage {
@@ -17,6 +18,12 @@ constexpr int kNumWarps = kNumThreads / 32;
 
 template <bool kFP8>
 __device__ __forceinline__ void stage(const MegaMoEStageParams& p) {
+    // The Mega MoE kernel that follows (a programmatic dependent) may start its setup on the SMs this
+    // small grid leaves free; it waits for this grid's writes before it reads any of them
+    if (threadIdx.x == 0) ptx::griddepcontrol_launch_dependents();
+    // Itself launched the same way: the buffer's inputs may still be read by the previous call's kernel,
+    // and x by the kernel that produced it, until they complete
+    ptx::griddepcontrol_wait();
     const auto& lay = p.layout;
     const int hidden = lay.hidden, topk = lay.num_topk;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;

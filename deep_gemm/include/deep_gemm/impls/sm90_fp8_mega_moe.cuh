@@ -3480,7 +3480,6 @@ struct Kernel {
         SharedControl* ctrl = sm.ctrl;
 
         if (threadIdx.x == 0) {
-            trace(kTraceStart);
             for (int s = 0; s < kNumStages; ++s) {
                 mbarrier_init(sm.full + s, 1);
                 mbarrier_init(sm.empty + s, 4 * kNumMathWGs);      // one lane per math warp
@@ -3497,9 +3496,6 @@ struct Kernel {
             if constexpr (kBulkCombine)
                 for (int i = 0; i < kNumMathWGs * kMegaMoECombineBufs; ++i) mbarrier_init(sm.combine_bars + i, 1);   // the issuing thread
             fence_barrier_init();
-            // Written by the previous launch on this stream (or reset()): a plain load suffices
-            ctrl->epoch = control[L::kControlEpoch] + 1;
-            ctrl->count_slice = static_cast<int>(atomicAdd(control + L::kControlCountClaim, 1));
             ctrl->late = 0;
             ctrl->abort = 0;
             ctrl->is_last_cta = 0;
@@ -3526,6 +3522,17 @@ struct Kernel {
             if constexpr (kSplitN) prefetch_tma_descriptor(tm.l1_act_narrow), prefetch_tma_descriptor(tm.l2_act_narrow);
             if constexpr (kWideN16) prefetch_tma_descriptor(tm.l1_act_16), prefetch_tma_descriptor(tm.l2_act_16);
             if constexpr (kWideN32) prefetch_tma_descriptor(tm.l1_act_32), prefetch_tma_descriptor(tm.l2_act_32);
+        }
+        // Launched as a programmatic dependent (the launcher's launch attribute): the setup above
+        // touches only shared memory and the parameters, so it overlaps the kernel before this one
+        // on the stream (the staging kernel, or the previous call's tail); every global access
+        // below waits for that kernel's writes (inputs, and the counters the previous call reset)
+        griddepcontrol_wait();
+        if (threadIdx.x == 0) {
+            trace(kTraceStart);
+            // Written by the previous launch on this stream (or reset()): a plain load suffices
+            ctrl->epoch = control[L::kControlEpoch] + 1;
+            ctrl->count_slice = static_cast<int>(atomicAdd(control + L::kControlCountClaim, 1));
         }
         __syncthreads();
         epoch = ctrl->epoch;

@@ -112,6 +112,16 @@ __device__ __forceinline__ bool mbarrier_try_wait_suspend(uint64_t* bar, uint32_
 }
 
 // ---------------------------------------------------------------------------------------------
+// Programmatic dependent launch (a kernel launched with PROGRAMMATIC_STREAM_SERIALIZATION may start
+// while the kernel before it on its stream still runs). The executing thread waits until the grids
+// this one depends on have completed and their writes are visible; without the launch attribute
+// (or after a non-kernel operation) it returns at once.
+__device__ __forceinline__ void griddepcontrol_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+// Lets the next such kernel on the stream be scheduled (once every CTA of this grid has issued it
+// or exited); one thread per CTA suffices. The dependent still waits (above) before it reads.
+__device__ __forceinline__ void griddepcontrol_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;\n" :::); }
+
+// ---------------------------------------------------------------------------------------------
 // TMA (bulk tensor copies, plain sm_90)
 __device__ __forceinline__ void prefetch_tma_descriptor(const CUtensorMap* desc) {
     asm volatile("prefetch.tensormap [%0];\n" :: "l"(reinterpret_cast<uint64_t>(desc)) : "memory");
