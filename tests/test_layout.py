@@ -11,7 +11,7 @@ from deep_gemm.mega import (MMA_TYPES, SymmBuffer, get_mega_moe_layout, get_symm
 from deep_gemm.testing.virtual_ranks import make_virtual_ranks
 
 SECTIONS = ['status', 'control', 'recv_count', 'combine_ready', 'send_count', 'src_index', 'mblock_arrival', 'mblock_l1_done',
-            'row_info', 'row_weight', 'split_count', 'split_partials', 'x', 'x_sf', 'topk_idx', 'topk_weights', 'l1_act', 'l1_sf', 'l2_act', 'l2_sf',
+            'row_info', 'row_weight', 'split_count', 'split_partials', 'ws_count', 'x', 'x_sf', 'topk_idx', 'topk_weights', 'l1_act', 'l1_sf', 'l2_act', 'l2_sf',
             'combine']
 WORKSPACE = SECTIONS[:SECTIONS.index('x')]
 SCALARS = ['num_bytes', 'num_workspace_bytes', 'num_pool_rows', 'num_max_mblocks', 'num_local_experts']
@@ -62,8 +62,9 @@ def test_sections_are_ordered_aligned_and_sized(shape, mma_type):
         'send_count': e * 4,
         'row_info': rows * 4, 'row_weight': rows * 4,
         'mblock_arrival': rows // 64 * 4, 'mblock_l1_done': rows // 64 * 4,
-        # split-K L1 exchange: a counter for each of 128 tiles, 512 K parts of 256 x 8 FP32 partials
-        'split_count': 128 * 4, 'split_partials': 512 * 256 * 8 * 4,
+        # split-K L1 exchange: a counter for each of 128 tiles, 576 K parts of 256 x 8 FP32 partials
+        # (the weights-first kernel's two phases: 2 x 144 chunks, two partials each); its 512 counters
+        'split_count': 128 * 4, 'split_partials': 576 * 256 * 8 * 4, 'ws_count': 512 * 4,
     }
     for name, size in expected_sizes.items():
         assert layout[name][1] == size, name
@@ -301,12 +302,12 @@ def test_virtual_ranks_share_one_peer_table(num_ranks):
 @pytest.mark.parametrize('shape', SHAPES)
 @pytest.mark.parametrize('mma_type', list(MMA_TYPES))
 def test_size_formula_of_the_docs(shape, mma_type):
-    # docs/BUFFER.md "Size formula": exact up to 1024-byte alignment of each of the 21 sections
+    # docs/BUFFER.md "Size formula": exact up to 1024-byte alignment of each of the 22 sections
     r, e, n, k, h, i = shape
     el = e // r
     a, s = (2, 0) if mma_type == 'bf16xbf16' else (1, 1)
     rows = expected_pool_rows(r, el, n, k)
-    workspace = 64 + 64 + 8 * el * r + 8 * r + 4 * e + 4 * el * r * n + 8 * (rows // 64) + 8 * rows + 4 * 128 + 512 * 8192
+    workspace = 64 + 64 + 8 * el * r + 8 * r + 4 * e + 4 * el * r * n + 8 * (rows // 64) + 8 * rows + 4 * 128 + 576 * 8192 + 4 * 512
     inputs = n * h * a + s * 4 * n * (h // 128) + 12 * n * k
     pools = rows * (h + i) * a + s * 4 * rows * ((h + i) // 128)
     combine = 2 * k * n * h
@@ -316,5 +317,5 @@ def test_size_formula_of_the_docs(shape, mma_type):
 
 
 def test_docs_worked_example():
-    assert get_symm_buffer_size_for_mega_moe(8, 256, 4096, 8, 7168, 2048, 'fp8xfp4') == 3041338368
-    assert get_symm_buffer_size_for_mega_moe(1, 256, 4096, 8, 7168, 2048, 'fp8xfp4') == 1129780224
+    assert get_symm_buffer_size_for_mega_moe(8, 256, 4096, 8, 7168, 2048, 'fp8xfp4') == 3041864704
+    assert get_symm_buffer_size_for_mega_moe(1, 256, 4096, 8, 7168, 2048, 'fp8xfp4') == 1130306560

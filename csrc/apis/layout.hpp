@@ -43,6 +43,7 @@ inline constexpr std::pair<const char*, Section MegaMoELayout::*> kSections[] = 
     {"row_weight", &MegaMoELayout::row_weight},
     {"split_count", &MegaMoELayout::split_count},
     {"split_partials", &MegaMoELayout::split_partials},
+    {"ws_count", &MegaMoELayout::ws_count},
     {"x", &MegaMoELayout::x},
     {"x_sf", &MegaMoELayout::x_sf},
     {"topk_idx", &MegaMoELayout::topk_idx},
@@ -169,7 +170,7 @@ inline void register_apis(pybind11::module_& m) {
           "Symmetric-buffer layout of one Mega MoE rank.\n\n"
           "Returns a dict: section name -> (offset, num_bytes) for every section (status, control, recv_count,\n"
           "combine_ready, send_count, src_index, mblock_arrival, mblock_l1_done, row_info, row_weight, split_count,\n"
-          "split_partials, x, x_sf, topk_idx,\n"
+          "split_partials, ws_count, x, x_sf, topk_idx,\n"
           "topk_weights, l1_act, l1_sf, l2_act, l2_sf, combine), plus num_bytes, num_workspace_bytes,\n"
           "num_pool_rows, num_max_mblocks and num_local_experts. mma_type: 0 fp8xfp4, 1 fp8xfp8, 2 bf16xbf16.\n"
           "Raises ValueError naming the first invalid argument.");

@@ -11,7 +11,7 @@
 //             prefill count's CTAs reserve slots there), per-M-block arrival / L1-done counters,
 //             per-pool-row routing info (source rank, token, top-k slot) and top-k weight, and the
 //             split-K L1 exchange of decode calls (per L1 tile: a counter and both K halves' partial
-//             sums)
+//             sums), and the weights-first kernel's counters (it shares the split-K partials)
 // inputs      x [N, H], x_sf [N, H/128] (FP8 formats), topk_idx [N, K] int64, topk_weights [N, K] f32
 // L1 pool     tokens pulled from every source rank, grouped by local expert, each expert padded to
 //             a multiple of BLOCK_M rows: act [rows, H], scales [H/128][rows] (M-major so that an
@@ -40,8 +40,20 @@ constexpr int kNumControlWords = 16;
 // (one counter each) and kMaxSplitParts K parts per call, each part kSplitPartialFloats FP32
 // partial sums (the math warpgroups' 256 threads x 8 accumulators)
 constexpr int kMaxSplitTiles = 128;
-constexpr int kMaxSplitParts = 512;
+constexpr int kMaxSplitParts = 576;
 constexpr int kSplitPartialFloats = 256 * 8;
+// The weights-first kernel (impls/sm90_mega_moe_ws.cuh): each phase (L1, L2) runs in at most
+// kMaxWsChunks chunks of units, each chunk at most two partial sums in split_partials (L1 in slots
+// [0, 2 kMaxWsChunks), L2 after them); its counters, in the ws_count section: one per L1 tile, one per
+// 256-wide column tile of y, the L1 tiles done, the chunk queue and the CTAs that left
+constexpr int kMaxWsChunks = 144;
+constexpr int kWsCountL1Tiles = 0;
+constexpr int kWsCountColumns = kWsCountL1Tiles + kMaxSplitTiles;
+constexpr int kWsCountL1Done = kWsCountColumns + kMaxWsChunks;
+constexpr int kWsCountQueue = kWsCountL1Done + 1;
+constexpr int kWsCountExited = kWsCountQueue + 1;
+constexpr int kWsCountWords = 512;
+static_assert(kWsCountExited < kWsCountWords and 4 * kMaxWsChunks <= kMaxSplitParts, "the weights-first kernel's workspace");
 
 // Control word slots (uint32, local to a rank)
 constexpr int kControlEpoch = 0;          // number of calls completed on this buffer
@@ -71,7 +83,7 @@ struct MegaMoELayout {
 
     // Workspace
     Section status, control, recv_count, combine_ready, send_count, src_index, mblock_arrival, mblock_l1_done;
-    Section row_info, row_weight, split_count, split_partials;
+    Section row_info, row_weight, split_count, split_partials, ws_count;
     // Inputs
     Section x, x_sf, topk_idx, topk_weights;
     // Pools
@@ -119,6 +131,7 @@ struct MegaMoELayout {
         row_weight = take(rows * 4);
         split_count = take(kMaxSplitTiles * 4);
         split_partials = take(static_cast<int64_t>(kMaxSplitParts) * kSplitPartialFloats * 4);
+        ws_count = take(kWsCountWords * 4);
         num_workspace_bytes = cursor;
 
         x = take(n * h * act);

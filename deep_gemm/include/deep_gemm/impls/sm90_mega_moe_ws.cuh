@@ -1,0 +1,577 @@
+#pragma once
+
+// The weights-first kernel: one launch for a one-rank call of at most kWsMaxPairs routed (token,
+// slot) pairs (docs/plans/decode-weights-first.md, docs/KERNEL.md "Weights first"). At one token the
+// persistent kernel spends ~16 us on its chain (count, layout, pull, arrival) before its L1 K-loop
+// streams the weights; here every CTA reads the routing itself and starts streaming weights at once.
+//
+//   routing  every CTA reads the n x top-k ids (one or two lines) and derives the same table: the
+//            distinct experts in ascending id ("slots" j), and per pair c = token x top-k + k its
+//            slot, token and weight. No count, no pull: the tokens' rows are read from the inputs.
+//   units    L1: (slot j, 256-row gate/up tile, K-block), K fastest; L2: (256-wide column tile of y,
+//            slot j, K-block), K fastest. Each phase's units are cut into equal chunks of consecutive
+//            units (at most one tile's worth, at least one chunk per CTA); the chunks are claimed from
+//            one queue, every L1 chunk before any L2 chunk, so a CTA that waits (L2 on L1) waits for
+//            work some running CTA holds: the kernel completes with part of its grid resident.
+//   L1       the tile's weights are the wgmma M side (4 x 64 rows), the tokens its N = 8 (rows 0..7 of
+//            x: columns of tokens >= n hold garbage no pair reads). A chunk's partial sums of a tile
+//            go to the workspace; the chunk that counts a tile's last part sums the parts in part
+//            order (bitwise repeatable) and runs the epilogue: SwiGLU (+clamp) x the pair's top-k
+//            weight, FP8 per-128 quantization (the persistent kernel's arithmetic), into row c of the
+//            L2 pool for each pair c of the tile's expert; then one count of L1 tiles done.
+//   L2       after every L1 tile (one counter): the pairs' rows as the N = 8 side (column c = pair
+//            c), each unit's product added into column c only where pair c belongs to the unit's
+//            expert; per column tile the chunks' partial sums are summed in part order by its last
+//            part, which writes y's columns: per token the sum of its pairs, in pair order.
+//
+// Roles: warps 0-3 the math warpgroup, warp 4 the producer (one lane: the queue and the TMA loads).
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include "sm90_fp8_mega_moe.cuh"
+
+namespace deep_gemm::sm90_mega_moe_ws {
+
+using namespace deep_gemm::ptx;
+namespace L = deep_gemm::layout;
+using sm90_mega_moe::report;
+using sm90_mega_moe::SharedControl;
+
+constexpr int kWsMaxPairs = 8;              // wgmma N: the pairs (L2) and the tokens (L1) of a call
+constexpr int kWsMathThreads = 128;
+constexpr int kWsThreads = kWsMathThreads + 32;
+constexpr int kWsTileRows = 256;            // L1: 128 gate + 128 up rows; L2: 256 columns of y
+constexpr int kWsStageBytes = kWsTileRows * 128;
+constexpr int kWsActBytes = kWsMaxPairs * 128;   // one K-block of the N side
+constexpr uint32_t kWsEnd = 0x80000000u;    // stage word: no more units
+constexpr uint32_t kWsPhaseL2 = 0x40000000u;
+constexpr int kWsBarrierMath = 1;
+constexpr uint32_t kWsPollMask = 63;
+
+// The call's work, the same in every CTA (it depends on the routing's distinct experts only)
+struct WsPlan {
+    int kb1, tiles_per_expert, tiles1, units1, s1, chunks1;   // L1
+    int kb2, per_column, columns, units2, s2, chunks2;        // L2: per_column = slots x kb2 units
+    __device__ WsPlan(const L::MegaMoELayout& lay, int num_slots, int grid) {
+        const int bk = 128 / activation_bytes(lay.mma_type);
+        const int target = min_of(grid, L::kMaxWsChunks);
+        kb1 = lay.hidden / bk, tiles_per_expert = lay.intermediate_hidden / 128;
+        tiles1 = num_slots * tiles_per_expert, units1 = tiles1 * kb1;
+        s1 = units1 == 0 ? 1 : ceil_div(units1, max_of(target, tiles1));
+        chunks1 = ceil_div(units1, s1);
+        kb2 = lay.intermediate_hidden / bk, per_column = num_slots * kb2, columns = lay.hidden / kWsTileRows;
+        units2 = columns * per_column;
+        s2 = units2 == 0 ? 1 : ceil_div(units2, max_of(target, columns));
+        chunks2 = ceil_div(units2, s2);
+    }
+};
+
+struct WsShared {
+    SharedControl ctrl;
+    int num_slots;
+    int bad_token;                   // the first pair with a bad expert id: its token, or -1
+    int split_last;
+    int wait_ok;
+    int pair_slot[kWsMaxPairs];      // -1: masked, a bad id, or no pair (c >= n x top-k)
+    int pair_token[kWsMaxPairs];
+    float pair_weight[kWsMaxPairs];
+    int slot_expert[kWsMaxPairs];
+};
+
+template <MmaType kMmaType, int kNumStages, bool kFastMath>
+struct WsKernel {
+    static constexpr bool kFP8 = kMmaType == MmaType::kFP8xFP8;
+    static_assert(kMmaType == MmaType::kFP8xFP8 or kMmaType == MmaType::kBF16xBF16, "FP8 x FP4 has no weights-first kernel yet");
+    static constexpr int kActBytes = kFP8 ? 1 : 2;
+    static constexpr int BLOCK_K = 128 / kActBytes;
+    using Mma = std::conditional_t<kFP8, mma::FP8MmaN8, mma::BF16MmaN8>;
+    static constexpr int kStageScaleFloats = 4;   // a stage's two weight block scales (FP8), padded
+
+    // Shared memory (after the 1024-aligned base): the stages' weight tiles, their N-side K-blocks, the
+    // L2 N side (the pairs' rows, every K-block), 8 x 256 FP32 exchange rows, the activation scales
+    // (FP8: x's and the pairs' rows', per K-block and column), the stages' weight scales, barriers,
+    // stage words and the shared scalars. The host sizes the launch with the same function.
+    static DG_HOST_DEVICE constexpr int smem_bytes(int hidden, int intermediate) {
+        return 1024 + kNumStages * (kWsStageBytes + kWsActBytes) + (intermediate / BLOCK_K) * kWsActBytes + kWsMaxPairs * kWsTileRows * 4 +
+               (kFP8 ? (hidden / 128 + intermediate / 128) * kWsMaxPairs * 4 : 0) + kNumStages * (kStageScaleFloats * 4 + 8 + 8 + 4) +
+               16 + 16 + static_cast<int>(sizeof(WsShared));
+    }
+
+    const MegaMoEParams& p;
+    const L::MegaMoELayout& lay;
+    uint8_t* stages;
+    uint8_t* acts;
+    uint8_t* h_tile;
+    float* xchg;       // [8][256] FP32
+    float* x_sf;       // [H / 128][8]
+    float* h_sf;       // [I / 128][8]
+    float* stage_wsf;  // [stage][4]
+    uint64_t *full, *empty, *h_bar;
+    uint32_t* words;
+    WsShared* sh;
+    uint32_t epoch = 0;
+
+    __device__ WsKernel(const MegaMoEParams& params, uint8_t* base) : p(params), lay(params.layout) {
+        stages = base;
+        acts = stages + kNumStages * kWsStageBytes;
+        h_tile = acts + kNumStages * kWsActBytes;
+        uint8_t* cursor = h_tile + (lay.intermediate_hidden / BLOCK_K) * kWsActBytes;
+        xchg = reinterpret_cast<float*>(cursor), cursor += kWsMaxPairs * kWsTileRows * 4;
+        x_sf = reinterpret_cast<float*>(cursor), cursor += kFP8 ? (lay.hidden / 128) * kWsMaxPairs * 4 : 0;
+        h_sf = reinterpret_cast<float*>(cursor), cursor += kFP8 ? (lay.intermediate_hidden / 128) * kWsMaxPairs * 4 : 0;
+        stage_wsf = reinterpret_cast<float*>(cursor), cursor += kNumStages * kStageScaleFloats * 4;
+        full = reinterpret_cast<uint64_t*>(cursor), cursor += kNumStages * 8;
+        empty = reinterpret_cast<uint64_t*>(cursor), cursor += kNumStages * 8;
+        h_bar = reinterpret_cast<uint64_t*>(cursor), cursor += 16;
+        words = reinterpret_cast<uint32_t*>(cursor), cursor += kNumStages * 4;
+        sh = reinterpret_cast<WsShared*>(align_up<uintptr_t>(reinterpret_cast<uintptr_t>(cursor), 16));
+    }
+
+    template <typename T>
+    __device__ T* mine(const L::Section& s) const { return lay.get_ptr<T>(p.buffers[p.rank], s); }
+    __device__ uint32_t* counts() const { return mine<uint32_t>(lay.ws_count); }
+    __device__ bool aborted() const {
+        return *reinterpret_cast<volatile int*>(&sh->ctrl.abort) or ld_volatile(mine<uint64_t>(lay.status) + L::kStatusAbort) != 0;
+    }
+
+    // An mbarrier wait that gives up when the call is aborted (the other side may have left)
+    __device__ bool wait_bar(uint64_t* bar, uint32_t parity) {
+        for (uint32_t n = 1;; ++n) {
+            if (mbarrier_try_wait(bar, parity)) return true;
+            if ((n & kWsPollMask) == 0 and aborted()) {
+                *reinterpret_cast<volatile int*>(&sh->ctrl.abort) = 1;
+                return false;
+            }
+        }
+    }
+
+    // ------------------------------------------------------------------------------------------
+    // Every CTA: the routing table (warp 4, one lane a pair)
+    __device__ void read_routing() {
+        const int lane = lane_idx();
+        const int num_pairs = p.num_tokens * lay.num_topk;   // <= kWsMaxPairs (the host's rule)
+        int64_t e = -1;
+        float w = 0.0f;
+        if (lane < num_pairs) e = mine<int64_t>(lay.topk_idx)[lane], w = mine<float>(lay.topk_weights)[lane];
+        const bool valid = lane < num_pairs and e >= 0 and e < lay.num_experts;
+        const bool bad = lane < num_pairs and not valid and e != -1;   // never used as an index: flagged, masked
+        const int ei = valid ? static_cast<int>(e) : -1;
+        // slot = the distinct valid experts below this pair's; an expert's first pair names its slot
+        int below = 0;
+        bool first = valid;
+        #pragma unroll
+        for (int d = 0; d < kWsMaxPairs; ++d) {
+            const int ed = __shfl_sync(0xffffffff, ei, d);
+            bool first_d = ed >= 0;
+            #pragma unroll
+            for (int q = 0; q < d; ++q) first_d = first_d and __shfl_sync(0xffffffff, ei, q) != ed;
+            if (first_d and ed < ei) ++below;
+            if (d < lane and ed == ei) first = false;
+        }
+        const uint32_t firsts = __ballot_sync(0xffffffff, valid and first);
+        const uint32_t bads = __ballot_sync(0xffffffff, bad);
+        if (lane < kWsMaxPairs) {
+            sh->pair_slot[lane] = valid ? below : -1;
+            sh->pair_token[lane] = lane / lay.num_topk;
+            sh->pair_weight[lane] = w;
+            if (valid and first) sh->slot_expert[below] = ei;
+        }
+        if (lane == 0) {
+            sh->num_slots = __popc(firsts);
+            sh->bad_token = bads == 0 ? -1 : (__ffs(bads) - 1) / lay.num_topk;
+        }
+    }
+
+    // x's scales (FP8), [K-block][token], 0 for tokens >= n (their columns are never read)
+    __device__ void read_x_scales(int tid) {
+        if constexpr (kFP8) {
+            const int kbs = lay.hidden / 128;
+            const float* src = mine<float>(lay.x_sf);
+            for (int i = tid; i < kbs * kWsMaxPairs; i += kWsMathThreads) {
+                const int kb = i / kWsMaxPairs, t = i % kWsMaxPairs;
+                x_sf[i] = t < p.num_tokens ? __ldcg(src + static_cast<int64_t>(t) * kbs + kb) : 0.0f;
+            }
+        }
+    }
+
+    // ------------------------------------------------------------------------------------------
+    // Producer (one lane of warp 4): claim chunks, stream their units through the stages. The
+    // weight tile of a unit (and for L1 x's K-block, for FP8 the tile's two block scales) lands on
+    // the stage's full barrier; the stage's word says which unit it is.
+    __device__ void producer(const CUtensorMap* tm_x, const CUtensorMap* tm_l1_w, const CUtensorMap* tm_l2_w, const WsPlan& plan,
+                             int ticket) {
+        auto* queue = counts() + L::kWsCountQueue;
+        const int total = plan.chunks1 + plan.chunks2;
+        const int rows1 = 2 * lay.intermediate_hidden;
+        uint32_t it = 0;
+        while (ticket < total) {
+            const bool l2 = ticket >= plan.chunks1;
+            const int k = l2 ? ticket - plan.chunks1 : ticket;
+            const int s_units = l2 ? plan.s2 : plan.s1;
+            const int u_end = min_of(l2 ? plan.units2 : plan.units1, (k + 1) * s_units);
+            for (int u = k * s_units; u < u_end; ++u, ++it) {
+                const int s = static_cast<int>(it % kNumStages);
+                if (not wait_bar(empty + s, ((it / kNumStages) & 1) ^ 1)) return;
+                words[s] = (l2 ? kWsPhaseL2 : 0u) | static_cast<uint32_t>(u);
+                int kb, row;
+                const float* wsf;
+                int block_stride;   // scale floats between the tile's two 128-row blocks
+                if (not l2) {
+                    kb = u % plan.kb1;
+                    const int tile = u / plan.kb1, tl = tile % plan.tiles_per_expert;
+                    const int e = sh->slot_expert[tile / plan.tiles_per_expert];
+                    row = e * rows1 + tl * kWsTileRows;
+                    block_stride = lay.hidden / 128;
+                    wsf = p.l1_weight_scales + (static_cast<int64_t>(e) * (rows1 / 128) + 2 * tl) * block_stride + kb * BLOCK_K / 128;
+                } else {
+                    kb = u % plan.kb2;
+                    const int r = u / plan.kb2, ct = r / sh->num_slots;
+                    const int e = sh->slot_expert[r % sh->num_slots];
+                    row = e * lay.hidden + ct * kWsTileRows;
+                    block_stride = lay.intermediate_hidden / 128;
+                    wsf = p.l2_weight_scales + (static_cast<int64_t>(e) * (lay.hidden / 128) + 2 * ct) * block_stride + kb * BLOCK_K / 128;
+                }
+                if constexpr (kFP8) {
+                    cp_async_4(stage_wsf + kStageScaleFloats * s, wsf);
+                    cp_async_4(stage_wsf + kStageScaleFloats * s + 1, wsf + block_stride);
+                    cp_async_arrive_on(full + s);
+                }
+                mbarrier_arrive_expect_tx(full + s, kWsStageBytes + (l2 ? 0 : kWsActBytes));
+                tma_load_2d(stages + s * kWsStageBytes, l2 ? tm_l2_w : tm_l1_w, full + s, kb * BLOCK_K, row);
+                if (not l2) tma_load_2d(acts + s * kWsActBytes, tm_x, full + s, kb * BLOCK_K, 0);
+            }
+            // The next claim waits for a free stage: by then every resident CTA has drawn its first
+            // ticket, so the first wave of chunks goes one to a CTA
+            const int s = static_cast<int>(it % kNumStages);
+            if (not wait_bar(empty + s, ((it / kNumStages) & 1) ^ 1)) return;
+            ticket = static_cast<int>(atomicAdd(queue, 1u));
+        }
+        const int s = static_cast<int>(it % kNumStages);
+        if (not wait_bar(empty + s, ((it / kNumStages) & 1) ^ 1)) return;
+        words[s] = kWsEnd;
+        mbarrier_arrive(full + s);
+    }
+
+    // ------------------------------------------------------------------------------------------
+    // Math: per 64-row M tile q (4 of a stage's 256 rows) 4 accumulators, row 16 warp + lane / 4 +
+    // 8 (i / 2) of the M tile, column 2 (lane % 4) + i % 2 (a token in L1, a pair in L2)
+    struct Thread {
+        int tid, warp, lane, r0, c0;
+        __device__ explicit Thread(int t) : tid(t), warp(t / 32), lane(t % 32), r0((t / 32) * 16 + (t % 32) / 4), c0((t % 4) * 2) {}
+        __device__ int row(int i) const { return r0 + 8 * (i / 2); }
+        __device__ int col(int i) const { return c0 + i % 2; }
+    };
+
+    // The 4 M tiles of a stage's weights times the N side's K-block
+    __device__ static void stage_mma(const uint8_t* w_tile, const uint8_t* n_tile, float (&d)[4][4], bool accumulate) {
+        const uint64_t dn = mma::make_k_major_sw128_desc(n_tile);
+        #pragma unroll
+        for (int q = 0; q < 4; ++q) mma::fence_operands(d[q]);
+        mma::warpgroup_arrive();
+        #pragma unroll
+        for (int q = 0; q < 4; ++q) Mma::fma_k_block(mma::make_k_major_sw128_desc(w_tile + q * 64 * 128), dn, d[q], accumulate);
+        mma::warpgroup_commit();
+        mma::warpgroup_wait<0>();
+        #pragma unroll
+        for (int q = 0; q < 4; ++q) mma::fence_operands(d[q]);
+    }
+
+    // The piece of a group (an L1 tile, a column tile of y) that chunk `k` ends: when the group has
+    // more than one part, this part's partial sums go out and its count in; the last part sums every
+    // part in part order into `acc` (the same bits whichever CTA is last) and returns true. The
+    // group's parts are the chunks [first, first + parts); chunk k' keeps its part of a group in
+    // slot base + 2 k' + (0 if the group is the chunk's first, else 1).
+    __device__ bool exchange(int group, int group_units, int s_units, int k, int base, uint32_t* count, const Thread& th,
+                             float (&acc)[4][4]) {
+        const int first = (group * group_units) / s_units, parts = ((group + 1) * group_units - 1) / s_units - first + 1;
+        if (parts == 1) return true;
+        const auto slot = [&](int kk) { return base + 2 * kk + ((kk * s_units) / group_units == group ? 0 : 1); };
+        const auto part_ptr = [&](int kk) {
+            return reinterpret_cast<float4*>(mine<float>(lay.split_partials) + static_cast<int64_t>(slot(kk)) * L::kSplitPartialFloats) + th.tid * 4;
+        };
+        float4* own = part_ptr(k);
+        #pragma unroll
+        for (int q = 0; q < 4; ++q) __stcg(own + q, make_float4(acc[q][0], acc[q][1], acc[q][2], acc[q][3]));
+        named_barrier(kWsBarrierMath, kWsMathThreads);
+        if (th.tid == 0) {
+            const bool last = atom_acq_rel_gpu_add(count, 1) == static_cast<uint32_t>(parts - 1);
+            if (last) *count = 0;   // for the next call
+            *reinterpret_cast<volatile int*>(&sh->split_last) = last;
+        }
+        named_barrier(kWsBarrierMath, kWsMathThreads);
+        if (not ld_volatile_shared_s32(smem_addr(&sh->split_last))) return false;
+        float mine_v[4][4];
+        #pragma unroll
+        for (int q = 0; q < 4; ++q)
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) mine_v[q][i] = acc[q][i];
+        for (int kk = first; kk < first + parts; ++kk) {
+            const float4* src = part_ptr(kk);
+            #pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                float v[4] = {mine_v[q][0], mine_v[q][1], mine_v[q][2], mine_v[q][3]};
+                if (kk != k) {
+                    const float4 f = __ldcg(src + q);
+                    v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+                }
+                #pragma unroll
+                for (int i = 0; i < 4; ++i) acc[q][i] = kk == first ? v[i] : acc[q][i] + v[i];
+            }
+        }
+        return true;
+    }
+
+    // L1 epilogue of tile `tile` (slot j's 256-row tile tl): SwiGLU (+clamp) per (row, token), then
+    // for each pair c of slot j its token's 128 values x the pair's weight into row c of the L2 pool
+    // (FP8: quantized per the block's amax, the persistent kernel's arithmetic), one count after
+    __device__ void l1_epilogue(int tile, int tiles_per_expert, const Thread& th, const float (&acc)[4][4]) {
+        const int j = tile / tiles_per_expert, tl = tile % tiles_per_expert;
+        const float clamp = p.activation_clamp;
+        #pragma unroll
+        for (int q = 0; q < 2; ++q)
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const float g = fminf(acc[q][i], clamp), u = fminf(fmaxf(acc[q + 2][i], -clamp), clamp);
+                xchg[th.col(i) * 128 + 64 * q + th.row(i)] = sm90_mega_moe::silu<kFastMath>(g) * u;   // [token][128]
+            }
+        named_barrier(kWsBarrierMath, kWsMathThreads);
+        auto* l2_act = mine<uint8_t>(lay.l2_act);
+        #pragma unroll
+        for (int c = th.warp; c < kWsMaxPairs; c += 4) {
+            if (sh->pair_slot[c] != j) continue;   // warp-uniform
+            const float w = sh->pair_weight[c];
+            const float4 v = *reinterpret_cast<const float4*>(xchg + sh->pair_token[c] * 128 + th.lane * 4);
+            const int64_t col = static_cast<int64_t>(c) * lay.intermediate_hidden + tl * 128 + th.lane * 4;
+            if constexpr (kFP8) {
+                float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+                #pragma unroll
+                for (int d = 1; d < 32; d *= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, d));
+                // The amax is taken before the top-k weight, exactly as max |act x w| (rounding is monotonic)
+                const float a = fmaxf(amax * fabsf(w), 1e-10f), inv = __fdiv_rn(448.0f, a);
+                const auto q8 = [&](float x) {
+                    return static_cast<uint32_t>(__nv_cvt_float_to_fp8((x * w) * inv, __NV_SATFINITE, __NV_E4M3));
+                };
+                *reinterpret_cast<uint32_t*>(l2_act + col) = q8(v.x) | (q8(v.y) << 8) | (q8(v.z) << 16) | (q8(v.w) << 24);
+                if (th.lane == 0) mine<float>(lay.l2_sf)[static_cast<int64_t>(tl) * lay.num_pool_rows + c] = __fdiv_rn(a, 448.0f);
+            } else {
+                const __nv_bfloat162 lo = __floats2bfloat162_rn(v.x * w, v.y * w), hi = __floats2bfloat162_rn(v.z * w, v.w * w);
+                uint2 packed;
+                packed.x = *reinterpret_cast<const uint32_t*>(&lo), packed.y = *reinterpret_cast<const uint32_t*>(&hi);
+                *reinterpret_cast<uint2*>(l2_act + col * 2) = packed;
+            }
+        }
+        // The rows are read by TMA (async proxy) in other CTAs after the count's release
+        fence_proxy_async_global();
+        named_barrier(kWsBarrierMath, kWsMathThreads);
+        if (th.tid == 0) red_release_gpu_add(counts() + L::kWsCountL1Done, 1);
+    }
+
+    // Column tile ct of y from the pairs' sums: per token, its pairs' columns added in pair order
+    __device__ void y_epilogue(int ct, const Thread& th, const float (&acc)[4][4]) {
+        #pragma unroll
+        for (int q = 0; q < 4; ++q)
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) xchg[th.col(i) * kWsTileRows + 64 * q + th.row(i)] = acc[q][i];   // [pair][256]
+        named_barrier(kWsBarrierMath, kWsMathThreads);
+        auto* y = reinterpret_cast<__nv_bfloat16*>(p.y);
+        for (int idx = th.tid; idx < p.num_tokens * (kWsTileRows / 2); idx += kWsMathThreads) {
+            const int t = idx / (kWsTileRows / 2), cc = (idx % (kWsTileRows / 2)) * 2;
+            float s0 = 0.0f, s1 = 0.0f;
+            #pragma unroll
+            for (int c = 0; c < kWsMaxPairs; ++c) {
+                if (sh->pair_slot[c] >= 0 and sh->pair_token[c] == t) {
+                    const float2 v = *reinterpret_cast<const float2*>(xchg + c * kWsTileRows + cc);
+                    s0 += v.x, s1 += v.y;
+                }
+            }
+            *reinterpret_cast<__nv_bfloat162*>(y + static_cast<int64_t>(t) * lay.hidden + ct * kWsTileRows + cc) = __floats2bfloat162_rn(s0, s1);
+        }
+        named_barrier(kWsBarrierMath, kWsMathThreads);   // xchg is free again
+    }
+
+    // Before the first L2 unit: every L1 tile done (bounded), then the pairs' rows (TMA, every
+    // K-block) and, FP8, their scales
+    __device__ bool wait_l1_and_load_h(const CUtensorMap* tm_h, const WsPlan& plan, const Thread& th) {
+        if (th.tid == 0) {
+            const uint32_t* done = counts() + L::kWsCountL1Done;
+            const uint64_t start = globaltimer_ns();
+            bool ok = true;
+            for (uint32_t n = 1; ld_acquire_gpu(done) < static_cast<uint32_t>(plan.tiles1); ++n) {
+                if ((n & kWsPollMask) == 0) {
+                    if (aborted()) { ok = false; break; }
+                    if (globaltimer_ns() - start > p.timeout_ns) {
+                        report(p, StatusCode::kTimeout, Phase::kL2Wait, p.rank, n, true, &sh->ctrl);
+                        ok = false;
+                        break;
+                    }
+                }
+            }
+            if (ok) {
+                mbarrier_arrive_expect_tx(h_bar, plan.kb2 * kWsActBytes);
+                for (int kb = 0; kb < plan.kb2; ++kb) tma_load_2d(h_tile + kb * kWsActBytes, tm_h, h_bar, kb * BLOCK_K, 0);
+            }
+            *reinterpret_cast<volatile int*>(&sh->wait_ok) = ok;
+        }
+        named_barrier(kWsBarrierMath, kWsMathThreads);
+        if (not ld_volatile_shared_s32(smem_addr(&sh->wait_ok))) {
+            *reinterpret_cast<volatile int*>(&sh->ctrl.abort) = 1;
+            return false;
+        }
+        if constexpr (kFP8) {
+            const float* src = mine<float>(lay.l2_sf);
+            for (int i = th.tid; i < plan.kb2 * kWsMaxPairs; i += kWsMathThreads)
+                h_sf[i] = __ldcg(src + static_cast<int64_t>(i / kWsMaxPairs) * lay.num_pool_rows + i % kWsMaxPairs);
+        }
+        named_barrier(kWsBarrierMath, kWsMathThreads);
+        return wait_bar(h_bar, 0);
+    }
+
+    __device__ void math(const CUtensorMap* tm_h, const WsPlan& plan) {
+        const Thread th(static_cast<int>(threadIdx.x));
+        float acc[4][4];
+        bool h_ready = false;
+        for (uint32_t it = 0;; ++it) {
+            const int s = static_cast<int>(it % kNumStages);
+            if (not wait_bar(full + s, (it / kNumStages) & 1)) return;
+            const uint32_t word = words[s];
+            if (word & kWsEnd) return;
+            const int u = static_cast<int>(word & (kWsPhaseL2 - 1));
+            const float ws0 = kFP8 ? stage_wsf[kStageScaleFloats * s] : 1.0f, ws1 = kFP8 ? stage_wsf[kStageScaleFloats * s + 1] : 1.0f;
+            if (not (word & kWsPhaseL2)) {
+                const int kb = u % plan.kb1, tile = u / plan.kb1;
+                const bool first = kb == 0 or u % plan.s1 == 0;
+                if (first) {
+                    #pragma unroll
+                    for (int q = 0; q < 4; ++q)
+                        #pragma unroll
+                        for (int i = 0; i < 4; ++i) acc[q][i] = 0.0f;
+                }
+                if constexpr (kFP8) {
+                    float part[4][4];
+                    stage_mma(stages + s * kWsStageBytes, acts + s * kWsActBytes, part, false);
+                    const float xs0 = x_sf[kb * kWsMaxPairs + th.c0], xs1 = x_sf[kb * kWsMaxPairs + th.c0 + 1];
+                    #pragma unroll
+                    for (int q = 0; q < 4; ++q) {
+                        const float sw = q < 2 ? ws0 : ws1;
+                        #pragma unroll
+                        for (int i = 0; i < 4; ++i) acc[q][i] += part[q][i] * ((i & 1) ? xs1 * sw : xs0 * sw);
+                    }
+                } else {
+                    stage_mma(stages + s * kWsStageBytes, acts + s * kWsActBytes, acc, not first);
+                }
+                if (th.lane == 0) mbarrier_arrive(empty + s);
+                const bool last = (u + 1) % plan.kb1 == 0 or (u + 1) % plan.s1 == 0 or u + 1 == plan.units1;
+                if (last and exchange(tile, plan.kb1, plan.s1, u / plan.s1, 0, counts() + L::kWsCountL1Tiles + tile, th, acc))
+                    l1_epilogue(tile, plan.tiles_per_expert, th, acc);
+            } else {
+                if (not h_ready) {
+                    if (not wait_l1_and_load_h(tm_h, plan, th)) return;
+                    h_ready = true;
+                }
+                const int kb = u % plan.kb2, r = u / plan.kb2, j = r % sh->num_slots, ct = r / sh->num_slots;
+                if (u % plan.per_column == 0 or u % plan.s2 == 0) {
+                    #pragma unroll
+                    for (int q = 0; q < 4; ++q)
+                        #pragma unroll
+                        for (int i = 0; i < 4; ++i) acc[q][i] = 0.0f;
+                }
+                float part[4][4];
+                stage_mma(stages + s * kWsStageBytes, h_tile + kb * kWsActBytes, part, false);
+                if (th.lane == 0) mbarrier_arrive(empty + s);
+                // Column c of the product counts only where pair c belongs to this unit's expert (the
+                // other columns hold other experts' pairs, or rows no pair wrote: a select, never a multiply)
+                const bool m0 = sh->pair_slot[th.c0] == j, m1 = sh->pair_slot[th.c0 + 1] == j;
+                const float hs0 = kFP8 ? h_sf[kb * kWsMaxPairs + th.c0] : 1.0f, hs1 = kFP8 ? h_sf[kb * kWsMaxPairs + th.c0 + 1] : 1.0f;
+                #pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    const float sw = q < 2 ? ws0 : ws1;
+                    #pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const float v = kFP8 ? part[q][i] * ((i & 1) ? hs1 * sw : hs0 * sw) : part[q][i];
+                        acc[q][i] += ((i & 1) ? m1 : m0) ? v : 0.0f;
+                    }
+                }
+                const bool last = (u + 1) % plan.per_column == 0 or (u + 1) % plan.s2 == 0 or u + 1 == plan.units2;
+                if (last and exchange(ct, plan.per_column, plan.s2, u / plan.s2, 2 * L::kMaxWsChunks, counts() + L::kWsCountColumns + ct, th, acc))
+                    y_epilogue(ct, th, acc);
+            }
+        }
+    }
+
+    // A call whose every pair is masked has no units: y is zero
+    __device__ void zero_y(int tid) {
+        const int64_t chunks = static_cast<int64_t>(p.num_tokens) * lay.hidden / 8;
+        for (int64_t i = blockIdx.x * static_cast<int64_t>(kWsMathThreads) + tid; i < chunks; i += static_cast<int64_t>(gridDim.x) * kWsMathThreads)
+            reinterpret_cast<int4*>(p.y)[i] = make_int4(0, 0, 0, 0);
+    }
+
+    // ------------------------------------------------------------------------------------------
+    __device__ void run(const CUtensorMap* tm_x, const CUtensorMap* tm_h, const CUtensorMap* tm_l1_w, const CUtensorMap* tm_l2_w) {
+        const int warp = warp_idx();
+        auto* control = mine<uint32_t>(lay.control);
+        if (threadIdx.x == 0) {
+            for (int s = 0; s < kNumStages; ++s) mbarrier_init(full + s, 1), mbarrier_init(empty + s, 4);   // a lane of each math warp
+            mbarrier_init(h_bar, 1);
+            fence_barrier_init();
+            sh->ctrl.abort = 0;
+        }
+        if (warp == 4 and lane_idx() == 0) {
+            prefetch_tma_descriptor(tm_x), prefetch_tma_descriptor(tm_h);
+            prefetch_tma_descriptor(tm_l1_w), prefetch_tma_descriptor(tm_l2_w);
+        }
+        // Launched as a programmatic dependent: every global access waits for the kernel before
+        griddepcontrol_wait();
+        int ticket = 0;
+        if (warp == 4) {
+            if (lane_idx() == 0) ticket = static_cast<int>(atomicAdd(counts() + L::kWsCountQueue, 1u)), epoch = control[L::kControlEpoch] + 1;
+            read_routing();
+        } else {
+            read_x_scales(static_cast<int>(threadIdx.x));
+        }
+        __syncthreads();
+        const WsPlan plan(lay, sh->num_slots, static_cast<int>(gridDim.x));
+        if (warp == 4) {
+            if (lane_idx() == 0) {
+                if (ticket == 0) {   // one CTA: the statistics and the bad-id flag
+                    if (p.cumulative_local_expert_recv_stats != nullptr)
+                        for (int c = 0; c < kWsMaxPairs; ++c)
+                            if (sh->pair_slot[c] >= 0) atomicAdd(p.cumulative_local_expert_recv_stats + sh->slot_expert[sh->pair_slot[c]], 1);
+                    if (sh->bad_token >= 0) report(p, StatusCode::kBadExpertId, Phase::kCount, p.rank, sh->bad_token, false, &sh->ctrl);
+                }
+                producer(tm_x, tm_l1_w, tm_l2_w, plan, ticket);
+            }
+            __syncwarp();
+        } else {
+            if (sh->num_slots == 0) zero_y(static_cast<int>(threadIdx.x));
+            math(tm_h, plan);
+        }
+
+        // Leave; the last CTA out resets the call's counters and advances the epoch
+        __syncthreads();
+        if (threadIdx.x == 128) {
+            __threadfence();
+            const uint32_t exited = atom_acq_rel_gpu_add(counts() + L::kWsCountExited, 1);
+            if (exited == gridDim.x - 1 and ld_volatile(mine<uint64_t>(lay.status) + L::kStatusAbort) == 0) {
+                counts()[L::kWsCountL1Done] = 0;
+                counts()[L::kWsCountQueue] = 0;
+                counts()[L::kWsCountExited] = 0;
+                control[L::kControlEpoch] = epoch;
+            }
+        }
+    }
+};
+
+}  // namespace deep_gemm::sm90_mega_moe_ws
+
+// The JIT runtime instantiates this with the variant chosen by the launcher
+#define DG_DEFINE_SM90_MEGA_MOE_WS_KERNEL(NAME, MMA_TYPE, NUM_STAGES, FAST_MATH)                                      \
+    extern "C" __global__ void __launch_bounds__(deep_gemm::sm90_mega_moe_ws::kWsThreads, 1)                           \
+    NAME(const __grid_constant__ deep_gemm::MegaMoEParams params, const __grid_constant__ CUtensorMap tm_x,           \
+         const __grid_constant__ CUtensorMap tm_h, const __grid_constant__ CUtensorMap tm_l1_w,                       \
+         const __grid_constant__ CUtensorMap tm_l2_w) {                                                                \
+        extern __shared__ __align__(1024) uint8_t dg_smem[];                                                          \
+        auto* base = reinterpret_cast<uint8_t*>(deep_gemm::align_up<uintptr_t>(reinterpret_cast<uintptr_t>(dg_smem), 1024)); \
+        deep_gemm::sm90_mega_moe_ws::WsKernel<MMA_TYPE, NUM_STAGES, FAST_MATH> kernel(params, base);                   \
+        kernel.run(&tm_x, &tm_h, &tm_l1_w, &tm_l2_w);                                                                  \
+    }
