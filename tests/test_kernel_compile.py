@@ -402,3 +402,49 @@ def test_no_stage_read_after_its_release():
             }''')
     assert bad != source, 'the pair L2 loop changed: update this check'
     assert [name for _, name, _ in _stage_reads_after_release(bad)] == ['weight_sf', 'token_sf']
+
+
+# The weights-first kernel (impls/sm90_mega_moe_ws.cuh, DG_MEGA_MOE_WEIGHTS_FIRST=1): FP8 x FP8 and
+# BF16 at the stage counts the launcher picks on an H200 / H100 (6; 5 where the L2 side is wide)
+@pytest.mark.parametrize('fmt', ['fp8xfp8', 'bf16xbf16'])
+@pytest.mark.parametrize('stages', [5, 6])
+@pytest.mark.parametrize('fast', [True, False])
+def test_weights_first_kernel_compiles_for_sm90a(fmt, stages, fast, requires_nvcc):
+    kernel_dir = _C.compile_mega_moe(mma_type_to_int(fmt), 64, stages, fast, 128, 64, False, False, True)
+    assert os.path.basename(kernel_dir).startswith(f'sm90_mega_moe_ws_{fmt}_s{stages}_{"fast" if fast else "exact"}')
+    cubin = os.path.join(kernel_dir, 'kernel.cubin')
+    with open(cubin, 'rb') as f:
+        assert f.read(4) == b'\x7fELF'
+    tool = cuobjdump_path()
+    if tool is None:
+        pytest.skip('cuobjdump not available: compiled, SASS not inspected')
+    sass = subprocess.run([tool, '-sass', cubin], capture_output=True, text=True, check=True).stdout
+    assert ('HGMMA' if fmt == 'bf16xbf16' else 'QGMMA') in sass
+    assert 'UTMALDG' in sass and 'ACQBULK' in sass and 'PREEXIT' not in sass
+    assert not re.search(r'\b(LDL|STL)\b', sass), 'the weights-first kernel keeps everything in registers'
+
+
+def test_weights_first_variant_is_picked_only_where_it_can_run():
+    # DG_MEGA_MOE_WEIGHTS_FIRST is read once per process: a child process with it set
+    script = r'''
+import json
+from deep_gemm import _C
+out = []
+for fmt in (0, 1, 2):
+    for ranks in (1, 2):
+        for (e, k, h, i) in ((128, 8, 2048, 768), (256, 6, 4096, 2048), (256, 8, 7168, 2048), (16, 4, 512, 256), (16, 4, 384, 256)):
+            for n in (0, 1, 2, 3):
+                v = _C.get_mega_moe_kernel_variant(fmt, ranks, e, k, h, i, n, 132, 232448)
+                out.append([fmt, ranks, e, k, h, i, n, v['weights_first'], v['name'], v['num_stages']])
+print(json.dumps(out))
+'''
+    for setting in ('1', '0'):
+        out = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, check=True, cwd=ROOT,
+                             env=dict(os.environ, DG_MEGA_MOE_WEIGHTS_FIRST=setting,
+                                      PYTHONPATH=ROOT + os.pathsep + os.environ.get('PYTHONPATH', '')))
+        for fmt, ranks, e, k, h, i, n, ws, name, stages in json.loads(out.stdout):
+            expected = (setting == '1' and fmt in (1, 2) and ranks == 1 and 1 <= n and n * k <= 8 and h % 256 == 0)
+            assert ws == expected, (setting, fmt, ranks, e, k, h, i, n)
+            assert name.startswith('sm90_mega_moe_ws_') == ws
+            if ws:   # the most stages whose shared memory fits an H200's 227 KB
+                assert stages == (5 if fmt == 2 and i == 2048 else 6), (fmt, h, i, stages)

@@ -87,19 +87,22 @@ inline void register_apis(py::module_& m) {
           "it into the current CUDA context as its first launch would.");
 
     m.def("compile_mega_moe",
-          [](int mma_type, int block_m, int num_stages, bool fast_math, int block_n_l2, int wide_n_min, bool signals_thread, bool cta_pair) {
-              return jit_kernels::SM90MegaMoEVariant{static_cast<MmaType>(mma_type), block_m, num_stages, fast_math, block_n_l2,
-                                                     wide_n_min, signals_thread, cta_pair}
-                  .compile().string();
+          [](int mma_type, int block_m, int num_stages, bool fast_math, int block_n_l2, int wide_n_min, bool signals_thread, bool cta_pair,
+             bool weights_first) {
+              jit_kernels::SM90MegaMoEVariant v{static_cast<MmaType>(mma_type), block_m, num_stages, fast_math, block_n_l2,
+                                                wide_n_min, signals_thread, cta_pair};
+              v.weights_first = weights_first;
+              return v.compile().string();
           },
           py::arg("mma_type"), py::arg("block_m"), py::arg("num_stages"), py::arg("fast_math") = true,
           py::arg("block_n_l2") = kMegaMoEBlockNL2, py::arg("wide_n_min") = 64, py::arg("signals_thread") = false,
-          py::arg("cta_pair") = false, py::call_guard<py::gil_scoped_release>(),
+          py::arg("cta_pair") = false, py::arg("weights_first") = false, py::call_guard<py::gil_scoped_release>(),
           "Compile (or fetch from DG_JIT_CACHE_DIR) one Mega MoE kernel variant for sm_90a; works without a GPU "
           "(and without the GIL: threads compile different variants in parallel). "
           "block_n_l2: the L2 task width, 128, (block_m 64) 256 / 512 or (block_m 128, fp8xfp8 / bf16xbf16) 256; wide_n_min: the narrowest transposed wide "
           "tile, 64 or (fp8xfp4, block_m 64) 16 / 32; signals_thread: (fp8xfp4, block_m 64) the kernel with the "
-          "signals thread. Returns the kernel's cache directory.");
+          "signals thread; weights_first: the weights-first kernel (fp8xfp8 / bf16xbf16; num_stages 3-6 and fast_math only). "
+          "Returns the kernel's cache directory.");
 
     m.def("prepare_mega_moe",
           [](int mma_type, int num_ranks, int num_experts, int num_topk, int hidden, int intermediate_hidden,
@@ -116,14 +119,16 @@ inline void register_apis(py::module_& m) {
           "shared-memory opt-in). Returns the kernel's cache directory.");
 
     m.def("get_mega_moe_kernel_source",
-          [](int mma_type, int block_m, int num_stages, bool fast_math, int block_n_l2, int wide_n_min, bool signals_thread, bool cta_pair) {
-              return jit_kernels::SM90MegaMoEVariant{static_cast<MmaType>(mma_type), block_m, num_stages, fast_math, block_n_l2,
-                                                     wide_n_min, signals_thread, cta_pair}
-                  .source();
+          [](int mma_type, int block_m, int num_stages, bool fast_math, int block_n_l2, int wide_n_min, bool signals_thread, bool cta_pair,
+             bool weights_first) {
+              jit_kernels::SM90MegaMoEVariant v{static_cast<MmaType>(mma_type), block_m, num_stages, fast_math, block_n_l2,
+                                                wide_n_min, signals_thread, cta_pair};
+              v.weights_first = weights_first;
+              return v.source();
           },
           py::arg("mma_type"), py::arg("block_m"), py::arg("num_stages"), py::arg("fast_math") = true,
           py::arg("block_n_l2") = kMegaMoEBlockNL2, py::arg("wide_n_min") = 64, py::arg("signals_thread") = false,
-          py::arg("cta_pair") = false,
+          py::arg("cta_pair") = false, py::arg("weights_first") = false,
           "The generated source of one Mega MoE kernel variant (for inspection).");
 
     m.def("get_mega_moe_l1_split_max",
@@ -143,6 +148,16 @@ inline void register_apis(py::module_& m) {
           "The kernel's split-K L1 plan of a decode call whose `tiles` L1 tiles are all narrow: (K parts\n"
           "per tile, K-blocks of each part). Works without a GPU.");
 
+    m.def("set_mega_moe_weights_first",
+          [](int choice) {
+              if (choice < -1 or choice > 1)
+                  throw std::invalid_argument("set_mega_moe_weights_first: expected -1 (the environment's DG_MEGA_MOE_WEIGHTS_FIRST), 0 or 1");
+              return jit_kernels::mega_moe_weights_first_override().exchange(choice);
+          },
+          py::arg("choice"),
+          "Whether calls that can run the weights-first kernel do (1), do not (0), or follow DG_MEGA_MOE_WEIGHTS_FIRST\n"
+          "(-1, the start); returns the previous setting. A tuning aid for tests and benchmarks (docs/KERNEL.md).");
+
     m.def("get_mega_moe_kernel_variant",
           [](int mma_type, int num_ranks, int num_experts, int num_topk, int hidden, int intermediate_hidden,
              int num_tokens, int num_sms, int max_smem_bytes, bool fast_math, bool ranks_share_gpu, int hbm_gbps) {
@@ -159,6 +174,7 @@ inline void register_apis(py::module_& m) {
               d["wide_n_min"] = v.wide_n_min;
               d["signals_thread"] = v.signals_thread;
               d["cta_pair"] = v.cta_pair;
+              d["weights_first"] = v.weights_first;
               return d;
           },
           py::arg("mma_type"), py::arg("num_ranks"), py::arg("num_experts"), py::arg("num_topk"), py::arg("hidden"),
@@ -167,7 +183,8 @@ inline void register_apis(py::module_& m) {
           py::arg("ranks_share_gpu") = false, py::arg("hbm_gbps") = -1,
           "The kernel variant launch_mega_moe would launch for this shape and token count (the heuristic's\n"
           "config with DG_MEGA_MOE_L2_BLOCK_N and DG_MEGA_MOE_WIDE_N applied): dict of name, mma_type, block_m,\n"
-          "num_stages, fast_math, block_n_l2, wide_n_min, signals_thread, cta_pair (DG_MEGA_MOE_SIGNALS_THREAD and\n"
+          "num_stages, fast_math, block_n_l2, wide_n_min, signals_thread, cta_pair, weights_first (DG_MEGA_MOE_SIGNALS_THREAD,\n"
+          "DG_MEGA_MOE_WEIGHTS_FIRST and\n"
           "DG_MEGA_MOE_CTA_PAIR applied too; ranks_share_gpu: other ranks' kernels run on this GPU at once, as\n"
           "virtual ranks do, so no CTA pair unless forced; hbm_gbps: the GPU's peak HBM bandwidth in GB/s, -1 the\n"
           "current device's as the launcher takes it, 0 where there is none). Works without a GPU.");

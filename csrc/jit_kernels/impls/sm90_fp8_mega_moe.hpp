@@ -58,8 +58,16 @@ struct SM90MegaMoEVariant {
     int wide_n_min = 64;   // narrowest transposed wide tile: 64, or 16 / 32 for FP8 x FP4 with block_m 64 (mega_moe_wide_n_ok)
     bool signals_thread = false;   // FP8 x FP4 with block_m 64 only (mega_moe_signals_thread_ok)
     bool cta_pair = false;         // FP8 x FP4 decode: two CTAs an SM, one math warpgroup each (mega_moe_cta_pair_ok)
+    bool weights_first = false;    // the weights-first kernel (sm90_mega_moe_ws.cuh: num_stages and fast_math only)
 
     void check() const {
+        if (weights_first) {
+            if (mma_type != MmaType::kFP8xFP8 and mma_type != MmaType::kBF16xBF16)
+                jit::raise_invalid_argument("weights_first: fp8xfp8 or bf16xbf16 only; got mma_type ", static_cast<int>(mma_type));
+            if (num_stages < kMegaMoEWsMinStages or num_stages > kMegaMoEWsMaxStages)
+                jit::raise_invalid_argument("weights_first: num_stages in [", kMegaMoEWsMinStages, ", ", kMegaMoEWsMaxStages, "], got ", num_stages);
+            return;
+        }
         if (not mega_moe_l2_block_n_ok(mma_type, block_m, block_n_l2))
             jit::raise_invalid_argument("block_n_l2: expected 128, 256 / 512 with block_m = 64, or 256 for fp8xfp8 / bf16xbf16 with block_m = 128; got ",
                                         block_n_l2, " with block_m = ", block_m, " (mma_type ", static_cast<int>(mma_type), ")");
@@ -77,6 +85,10 @@ struct SM90MegaMoEVariant {
     std::string name() const {
         static constexpr const char* kNames[] = {"fp8xfp4", "fp8xfp8", "bf16xbf16"};
         std::ostringstream os;
+        if (weights_first) {
+            os << "sm90_mega_moe_ws_" << kNames[static_cast<int>(mma_type)] << "_s" << num_stages << (fast_math ? "_fast" : "_exact");
+            return os.str();
+        }
         os << "sm90_mega_moe_" << kNames[static_cast<int>(mma_type)] << "_m" << block_m << "_n" << block_n_l2
            << "_s" << num_stages << (fast_math ? "_fast" : "_exact");
         if (signals_thread) os << "_sig";
@@ -99,6 +111,12 @@ struct SM90MegaMoEVariant {
     std::string source() const {
         check();
         std::ostringstream os;
+        if (weights_first) {
+            os << "#include <deep_gemm/impls/sm90_mega_moe_ws.cuh>\n\n"
+               << "DG_DEFINE_SM90_MEGA_MOE_WS_KERNEL(sm90_mega_moe, " << mma_type_cpp_name(mma_type) << ", " << num_stages << ", "
+               << (fast_math ? "true" : "false") << ")\n";
+            return os.str();
+        }
         if (task_log()) os << "#define DG_MEGA_MOE_TASK_LOG " << task_log() << "\n";
         if (signals_thread) os << "#define DG_MEGA_MOE_SIGNALS_THREAD 1\n";
         if (cta_pair) os << "#define DG_MEGA_MOE_CTA_PAIR 1\n";
@@ -114,8 +132,9 @@ struct SM90MegaMoEVariant {
     // serializes threads asking for the same one
     std::filesystem::path compile() const {
         static std::mutex mutex;
-        static std::map<std::tuple<int, int, int, bool, int, int, bool, bool>, std::filesystem::path> compiled;
-        const auto key = std::make_tuple(static_cast<int>(mma_type), block_m, num_stages, fast_math, block_n_l2, wide_n_min, signals_thread, cta_pair);
+        static std::map<std::tuple<int, int, int, bool, int, int, bool, bool, bool>, std::filesystem::path> compiled;
+        const auto key = std::make_tuple(static_cast<int>(mma_type), block_m, num_stages, fast_math, block_n_l2, wide_n_min, signals_thread,
+                                         cta_pair, weights_first);
         {
             std::lock_guard<std::mutex> lock(mutex);
             if (auto it = compiled.find(key); it != compiled.end())
@@ -182,6 +201,24 @@ inline bool select_mega_moe_signals_thread(const MegaMoEConfig& config) {
     return on and mega_moe_signals_thread_ok(config.mma_type, config.block_m);
 }
 
+// The weights-first choice set at run time (_C.set_mega_moe_weights_first: tests and benchmarks
+// switch it within one process); -1: the environment's
+inline std::atomic<int>& mega_moe_weights_first_override() {
+    static std::atomic<int> choice{-1};
+    return choice;
+}
+
+// Whether a call runs the weights-first kernel: where it can (mega_moe_ws_ok) and it is asked for,
+// by the run-time override or else the tuning aid DG_MEGA_MOE_WEIGHTS_FIRST = 1 (read once per
+// process); the default is off until it is measured against the persistent kernel (docs/PERF.md)
+inline bool select_mega_moe_weights_first(MmaType mma_type, int num_ranks, int num_experts, int num_tokens, int num_topk, int hidden,
+                                          int intermediate_hidden, int max_smem_bytes) {
+    static const int env_choice = read_env_choice("DG_MEGA_MOE_WEIGHTS_FIRST", {"0", "1"});
+    const int set = mega_moe_weights_first_override().load(std::memory_order_relaxed);
+    return (set >= 0 ? set : env_choice) == 1 and
+           mega_moe_ws_ok(mma_type, num_ranks, num_experts, num_tokens, num_topk, hidden, intermediate_hidden, max_smem_bytes);
+}
+
 // Peak HBM bandwidth (GB/s) of the current device, for the heuristic's bandwidth-dependent choices
 // where the caller does not pass it (the Python launcher does, from its cached device info: no driver
 // query per call); 0 (unknown) without a driver or a device, as on a CPU-only machine
@@ -216,6 +253,14 @@ inline std::pair<MegaMoEConfig, SM90MegaMoEVariant> select_sm90_mega_moe_variant
     config.block_n_l2 = select_mega_moe_l2_block_n(config, hidden);
     config.wide_n_min = select_mega_moe_wide_n_min(config);
     config.signals_thread = select_mega_moe_signals_thread(config);
+    if (select_mega_moe_weights_first(mma_type, num_ranks, num_experts, num_tokens, num_topk, hidden, intermediate_hidden, max_smem_bytes)) {
+        config.num_stages = mega_moe_ws_stages(mma_type, hidden, intermediate_hidden, max_smem_bytes);
+        config.num_threads = kMegaMoEWsThreads;
+        config.smem_bytes = mega_moe_ws_smem_bytes(mma_type, config.num_stages, hidden, intermediate_hidden);
+        SM90MegaMoEVariant v{mma_type, config.block_m, config.num_stages, fast_math, config.block_n_l2};
+        v.weights_first = true;
+        return {config, v};
+    }
     return {config, SM90MegaMoEVariant{mma_type, config.block_m, config.num_stages, fast_math, config.block_n_l2, config.wide_n_min,
                                        config.signals_thread, config.cta_pair}};
 }
@@ -263,12 +308,13 @@ struct SM90MegaMoELaunchPlan {
     jit::Kernel* kernel = nullptr;
     MegaMoEParams params{};   // num_tokens, y, stats, clamp, timeout, host_status, trace: set per call
     std::array<CUtensorMap, kNumMaps> maps{};
+    int num_maps = kNumMaps;           // the weights-first kernel takes 4
     jit::LaunchConfig launch_config;   // stream: set per call
 };
 
 // Everything a plan is made from: the current context (kernels are loaded per context), the call's
 // fixed arguments and the config fields the plan reads (sm90_mega_moe_plan_key fills every entry)
-inline constexpr int kSM90MegaMoEPlanKeyFields = 24;   // after the context, format, ranks, rank and buffers
+inline constexpr int kSM90MegaMoEPlanKeyFields = 25;   // after the context, format, ranks, rank and buffers
 using SM90MegaMoEPlanKey = std::array<int64_t, 4 + kMaxRanks + kSM90MegaMoEPlanKeyFields>;
 
 inline SM90MegaMoEPlanKey sm90_mega_moe_plan_key(const SM90MegaMoEArgs& a, const MegaMoEConfig& c, const SM90MegaMoEVariant& v,
@@ -277,7 +323,7 @@ inline SM90MegaMoEPlanKey sm90_mega_moe_plan_key(const SM90MegaMoEArgs& a, const
         a.num_experts, a.num_max_tokens_per_rank, a.num_topk, a.hidden, a.intermediate_hidden, a.l1_weights,
         a.l1_weight_scales, a.l1_weight_deltas, a.l2_weights, a.l2_weight_scales, a.l2_weight_deltas, a.peers_on_this_gpu,
         v.block_m, v.num_stages, v.fast_math, v.block_n_l2, v.wide_n_min, v.signals_thread, v.cta_pair, c.num_sms,
-        c.num_threads, c.smem_bytes, c.num_prefetch_stages, c.num_prefetch_stages_l2});
+        c.num_threads, c.smem_bytes, c.num_prefetch_stages, c.num_prefetch_stages_l2, v.weights_first});
     static_assert(std::tuple_size_v<decltype(fields)> == kSM90MegaMoEPlanKeyFields, "every field has its key entry");
     SM90MegaMoEPlanKey key{};
     size_t i = 0;
@@ -343,6 +389,24 @@ inline SM90MegaMoELaunchPlan make_sm90_mega_moe_plan(const SM90MegaMoEArgs& a, c
 
     const auto& lay = params.layout;
     const bool fp8 = is_fp8_activation(a.mma_type);
+    if (variant.weights_first) {
+        // x's rows (8-row boxes of the inputs; at least 8 rows, past n_max the buffer's next sections: only
+        // columns of tokens >= n read them), the pairs' rows in the L2 pool (8-row boxes), 256-row weight tiles
+        const auto dt = a.mma_type == MmaType::kFP8xFP8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+        const uint64_t act = activation_bytes(a.mma_type), h = a.hidden, i = a.intermediate_hidden, e = lay.num_local_experts;
+        const uint32_t bk = static_cast<uint32_t>(mega_moe_block_k(a.mma_type)), n = kMegaMoEWsMaxPairs;
+        const auto own = a.buffers[a.rank];
+        plan.maps[0] = make_kmajor_tma(own + lay.x.offset, dt, h, std::max<uint64_t>(lay.num_max_tokens_per_rank, n), bk, n, h * act);
+        plan.maps[1] = make_kmajor_tma(own + lay.l2_act.offset, dt, i, lay.num_pool_rows, bk, n, i * act);
+        plan.maps[2] = make_kmajor_tma(a.l1_weights, dt, h, e * 2 * i, bk, 256, h * act);
+        plan.maps[3] = make_kmajor_tma(a.l2_weights, dt, i, e * h, bk, 256, i * act);
+        plan.num_maps = 4;
+        plan.launch_config.grid = {static_cast<uint32_t>(config.num_sms), 1, 1};
+        plan.launch_config.block = {static_cast<uint32_t>(config.num_threads), 1, 1};
+        plan.launch_config.smem_bytes = static_cast<uint32_t>(config.smem_bytes);
+        plan.launch_config.programmatic = mega_moe_programmatic_launch();
+        return plan;
+    }
     const auto dtype = fp8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
     const uint64_t act = activation_bytes(a.mma_type);
     const uint32_t bk = static_cast<uint32_t>(mega_moe_block_k(a.mma_type));
@@ -463,7 +527,7 @@ inline MegaMoEConfig launch_sm90_mega_moe(const SM90MegaMoEArgs& a) {
     params.host_status = reinterpret_cast<uint64_t*>(a.host_status);
     params.trace = reinterpret_cast<uint64_t*>(a.trace);
     void* args[1 + SM90MegaMoELaunchPlan::kNumMaps] = {&params};
-    for (int m = 0; m < SM90MegaMoELaunchPlan::kNumMaps; ++m) args[1 + m] = &plan.maps[m];
+    for (int m = 0; m < plan.num_maps; ++m) args[1 + m] = &plan.maps[m];
     plan.launch_config.stream = reinterpret_cast<CUstream>(a.stream);
     jit::launch(*plan.kernel, plan.launch_config, args);
     return config;

@@ -199,6 +199,43 @@ DG_HOST_DEVICE constexpr int mega_moe_smem_bytes(MmaType t, int block_m, int num
            mega_moe_combine_bar_bytes(block_m) + mega_moe_control_smem_bytes(num_stages, block_m) + 1024;
 }
 
+// The weights-first kernel (impls/sm90_mega_moe_ws.cuh, docs/KERNEL.md "Weights first"): a
+// one-rank call of at most kMegaMoEWsMaxPairs routed (token, slot) pairs, FP8 x FP8 or BF16, run
+// as split-K chunks of 256-row weight tiles that every CTA starts streaming at once. One math
+// warpgroup and a producer warp; its shared memory by this function (the kernel checks its scalars
+// fit kMegaMoEWsScalarBytes).
+constexpr int kMegaMoEWsMaxPairs = 8;
+constexpr int kMegaMoEWsThreads = 160;
+constexpr int kMegaMoEWsScalarBytes = 256;
+constexpr int kMegaMoEWsMaxStages = 6;
+constexpr int kMegaMoEWsMinStages = 3;
+DG_HOST_DEVICE constexpr int mega_moe_ws_smem_bytes(MmaType t, int num_stages, int hidden, int intermediate) {
+    const int block_k = 128 / activation_bytes(t), n_side = kMegaMoEWsMaxPairs * 128;
+    const int scales = t == MmaType::kFP8xFP8 ? (hidden / 128 + intermediate / 128) * kMegaMoEWsMaxPairs * 4 : 0;
+    // 1024: the base re-aligned; per stage a 256-row weight tile, its N-side K-block, 16 bytes of
+    // weight scales, two mbarriers and a word; the pairs' rows (every L2 K-block); 8 x 256 FP32
+    // exchange rows; the activation scales; the N-side mbarrier; scalars (16-aligned)
+    return 1024 + num_stages * (256 * 128 + n_side + 16 + 8 + 8 + 4) + (intermediate / block_k) * n_side +
+           kMegaMoEWsMaxPairs * 256 * 4 + scales + 16 + 16 + kMegaMoEWsScalarBytes;
+}
+// Whether a call can run weights-first: FP8 x FP8 or BF16, one rank (every input local), 1 to
+// kMegaMoEWsMaxPairs routed pairs (n x top-k: so that an expert's pairs, duplicates included, fit
+// the N = 8 side), whole 256-wide column tiles of y, at most kMaxSplitTiles L1 tiles and
+// kMaxWsChunks column tiles (the workspace's counters), and the fewest stages in shared memory
+DG_HOST_DEVICE constexpr bool mega_moe_ws_ok(MmaType t, int num_ranks, int num_experts, int num_tokens, int num_topk, int hidden,
+                                             int intermediate, int max_smem_bytes) {
+    return (t == MmaType::kFP8xFP8 or t == MmaType::kBF16xBF16) and num_ranks == 1 and num_tokens >= 1 and
+           num_tokens * num_topk <= kMegaMoEWsMaxPairs and hidden % 256 == 0 and hidden / 256 <= layout::kMaxWsChunks and
+           min_of(num_tokens * num_topk, num_experts) * (intermediate / 128) <= layout::kMaxSplitTiles and
+           mega_moe_ws_smem_bytes(t, kMegaMoEWsMinStages, hidden, intermediate) <= max_smem_bytes;
+}
+// The most stages (at most kMegaMoEWsMaxStages) whose shared memory fits
+DG_HOST_DEVICE constexpr int mega_moe_ws_stages(MmaType t, int hidden, int intermediate, int max_smem_bytes) {
+    int s = kMegaMoEWsMaxStages;
+    while (s > kMegaMoEWsMinStages and mega_moe_ws_smem_bytes(t, s, hidden, intermediate) > max_smem_bytes) --s;
+    return s;
+}
+
 // The task log's stamps (slot k of a task's entry, scripts/trace.py reads them by these names): the
 // math's id word (rows << 40 | kind << 32 | task), ring slot read, first L1 stage ready, K-loop
 // end, epilogue end; the producer's ticket in the ring, first stage claimed (B issued), first A

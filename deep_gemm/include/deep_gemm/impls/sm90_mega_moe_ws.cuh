@@ -88,15 +88,12 @@ struct WsKernel {
     using Mma = std::conditional_t<kFP8, mma::FP8MmaN8, mma::BF16MmaN8>;
     static constexpr int kStageScaleFloats = 4;   // a stage's two weight block scales (FP8), padded
 
-    // Shared memory (after the 1024-aligned base): the stages' weight tiles, their N-side K-blocks, the
-    // L2 N side (the pairs' rows, every K-block), 8 x 256 FP32 exchange rows, the activation scales
-    // (FP8: x's and the pairs' rows', per K-block and column), the stages' weight scales, barriers,
-    // stage words and the shared scalars. The host sizes the launch with the same function.
-    static DG_HOST_DEVICE constexpr int smem_bytes(int hidden, int intermediate) {
-        return 1024 + kNumStages * (kWsStageBytes + kWsActBytes) + (intermediate / BLOCK_K) * kWsActBytes + kWsMaxPairs * kWsTileRows * 4 +
-               (kFP8 ? (hidden / 128 + intermediate / 128) * kWsMaxPairs * 4 : 0) + kNumStages * (kStageScaleFloats * 4 + 8 + 8 + 4) +
-               16 + 16 + static_cast<int>(sizeof(WsShared));
-    }
+    // Shared memory (after the 1024-aligned base), as mega_moe_ws_smem_bytes counts it: the stages'
+    // weight tiles, their N-side K-blocks, the L2 N side (the pairs' rows, every K-block), 8 x 256
+    // FP32 exchange rows, the activation scales (FP8: x's and the pairs' rows', per K-block and
+    // column), the stages' weight scales, barriers, stage words and the shared scalars
+    static_assert(sizeof(WsShared) <= kMegaMoEWsScalarBytes and kWsThreads == kMegaMoEWsThreads and kWsMaxPairs == kMegaMoEWsMaxPairs);
+    static_assert(kStageScaleFloats * 4 == 16 and kWsActBytes == kMegaMoEWsMaxPairs * 128);
 
     const MegaMoEParams& p;
     const L::MegaMoELayout& lay;

@@ -1,0 +1,204 @@
+"""The weights-first kernel (impls/sm90_mega_moe_ws.cuh) on the GPU: one-rank calls of at most 8
+routed pairs, FP8 x FP8 and BF16, forced on with `_C.set_mega_moe_weights_first(1)`.
+
+Every case: fresh random inputs, y poisoned with NaN, every row against the emulating reference with
+the tolerances of tests/test_mega_moe_gpu.py (3e-4 FP8, 2e-6 BF16, derived there). This kernel sums
+an expert's L2 output into y in FP32 without the persistent kernel's BF16 rounding of each top-k row,
+one rounding fewer than the reference allows for, so the same bounds hold. Skipped without an SM90 GPU.
+"""
+import pytest
+import torch
+
+import deep_gemm
+from deep_gemm import _C
+from deep_gemm.mega.launch import _max_smem
+from deep_gemm.testing import calc_diff, ep_check, moe_case as mc
+
+from conftest import record_diff
+
+sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+pytestmark = pytest.mark.skipif(not sm90, reason='needs an SM90 (Hopper) GPU')
+
+TOL = ep_check.TOLERANCE
+FORMATS = ['fp8xfp8', 'bf16xbf16']
+ENTRY = {'fp8xfp8': deep_gemm.fp8_mega_moe, 'bf16xbf16': deep_gemm.bf16_mega_moe}
+SMALL = (512, 256, 16, 4)
+MID = (2048, 768, 128, 8)
+V4 = (4096, 2048, 256, 6)
+BIG = (7168, 2048, 256, 8)
+_weights = {}
+
+
+@pytest.fixture(autouse=True)
+def weights_first():
+    old = _C.set_mega_moe_weights_first(1)
+    yield
+    _C.set_mega_moe_weights_first(old)
+
+
+def weights_for(fmt, shape, seed=0):
+    key = (fmt, shape, seed)
+    if key not in _weights:
+        _weights.clear()
+        torch.cuda.empty_cache()
+        hidden, inter, experts, _ = shape
+        _weights[key] = mc.make_weights(fmt, hidden, inter, experts, 1, seed)
+    return _weights[key]
+
+
+def assert_weights_first(fmt, shape, n, buf):
+    hidden, inter, experts, topk = shape
+    name = _C.get_mega_moe_kernel_variant(1 if fmt == 'fp8xfp8' else 2, 1, experts, topk, hidden, inter, n,
+                                          buf.num_sms or _C.get_num_sms(), _max_smem(torch.device('cuda')))['name']
+    assert name.startswith('sm90_mega_moe_ws_'), name
+
+
+def check(fmt, shape, n, seed, sms=None, clamp=None, stats=None, **routing):
+    hidden, inter, experts, topk = shape
+    w = weights_for(fmt, shape)
+    (buf,) = mc.make_buffers(fmt, 1, experts, max(n, 1), topk, hidden, inter)
+    if sms:
+        buf.num_sms = sms
+    assert_weights_first(fmt, shape, n, buf)
+    inp = mc.make_inputs(fmt, [n], hidden, experts, topk, seed, **routing)[0]
+    (y,) = mc.run_ranks(w, [inp], [buf], activation_clamp=clamp, stats=stats)
+    assert not torch.isnan(y).any(), 'unwritten (NaN) rows in y'
+    ref = mc.reference(w, inp, clamp)
+    if not bool((inp.topk_idx >= 0).any()):
+        assert bool((y == 0).all()), 'no routed pair: y is zero'
+    else:
+        d = calc_diff(y.float(), ref)
+        record_diff(fmt, d)
+        assert d < TOL[fmt], f'calc_diff {d:.3e}'
+    buf.check()
+    return buf, inp, y
+
+
+@pytest.mark.parametrize('fmt', FORMATS)
+@pytest.mark.parametrize('shape, n', [(SMALL, 1), (SMALL, 2), (MID, 1), (V4, 1), (BIG, 1)])
+def test_matches_reference(fmt, shape, n):
+    for seed in (1, 2):
+        check(fmt, shape, n, seed)
+
+
+@pytest.mark.parametrize('fmt', FORMATS)
+def test_masks_skew_clamp_and_small_grids(fmt):
+    check(fmt, MID, 1, 3, mask_frac=0.3)
+    check(fmt, SMALL, 2, 4, mask_frac=0.3)
+    check(fmt, SMALL, 2, 5, hot_expert=3)                 # both tokens share an expert
+    check(fmt, SMALL, 2, 6, experts_allowed=1)            # one expert only, the other slots masked
+    check(fmt, MID, 1, 7, mask_frac=1.0)                  # nothing routed: y = 0
+    check(fmt, SMALL, 2, 8, clamp=0.5)
+    # grids smaller than the chunks: a CTA claims several (the queue), and with 3 CTAs the L2 chunks
+    # of the first wave wait for L1 chunks claimed later
+    check(fmt, MID, 1, 9, sms=16)
+    check(fmt, SMALL, 2, 10, sms=3)
+    check(fmt, V4, 1, 11, sms=1)
+
+
+@pytest.mark.parametrize('fmt', FORMATS)
+def test_duplicate_experts_in_a_token(fmt):
+    # a token that lists an expert twice: both pairs count, each with its own weight (as the reference)
+    hidden, inter, experts, topk = SMALL
+    w = weights_for(fmt, SMALL)
+    (buf,) = mc.make_buffers(fmt, 1, experts, 2, topk, hidden, inter)
+    inp = mc.make_inputs(fmt, [2], hidden, experts, topk, seed=12)[0]
+    idx = inp.topk_idx.clone()
+    idx[0, 1] = idx[0, 0]
+    idx[1, 3] = idx[1, 2]
+    inp = mc.RankInputs(inp.x, inp.x_q, inp.x_sf, idx, inp.topk_weights)
+    (y,) = mc.run_ranks(w, [inp], [buf])
+    d = calc_diff(y.float(), mc.reference(w, inp))
+    record_diff(fmt, d)
+    assert d < TOL[fmt], d
+
+
+@pytest.mark.parametrize('fmt', FORMATS)
+def test_bad_ids_flagged_and_masked(fmt):
+    hidden, inter, experts, topk = SMALL
+    w = weights_for(fmt, SMALL)
+    (buf,) = mc.make_buffers(fmt, 1, experts, 2, topk, hidden, inter)
+    inp = mc.make_inputs(fmt, [2], hidden, experts, topk, seed=13)[0]
+    bad = inp.topk_idx.clone()
+    bad[1, 2] = 10_000
+    (y,) = mc.run_ranks(w, [mc.RankInputs(inp.x, inp.x_q, inp.x_sf, bad, inp.topk_weights)], [buf])
+    with pytest.raises(deep_gemm.MegaMoEError, match='expert id') as info:
+        buf.check()
+    assert info.value.code == 2 and not info.value.fatal
+    masked = inp.topk_idx.clone()
+    masked[1, 2] = -1
+    d = calc_diff(y.float(), mc.reference(w, mc.RankInputs(inp.x, inp.x_q, inp.x_sf, masked, inp.topk_weights)))
+    assert d < TOL[fmt], d
+    buf.clear_error()
+
+
+@pytest.mark.parametrize('fmt', FORMATS)
+def test_bitwise_repeatable_and_stats(fmt):
+    hidden, inter, experts, topk = MID
+    w = weights_for(fmt, MID)
+    (buf,) = mc.make_buffers(fmt, 1, experts, 1, topk, hidden, inter)
+    inp = mc.make_inputs(fmt, [1], hidden, experts, topk, seed=14, mask_frac=0.2)[0]
+    stats = [torch.zeros(experts, dtype=torch.int32, device='cuda')]
+    a = mc.run_ranks(w, [inp], [buf], stats=stats)[0]
+    b = mc.run_ranks(w, [inp], [buf], stats=stats)[0]
+    assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    idx = inp.topk_idx.flatten()
+    assert torch.equal(stats[0], 2 * torch.bincount(idx[idx >= 0], minlength=experts).int())
+
+
+@pytest.mark.parametrize('fmt', FORMATS)
+def test_back_to_back_with_the_persistent_kernel(fmt):
+    # one buffer, calls of 0-7 tokens: n x top-k <= 8 runs weights-first, the others the persistent
+    # kernel; each must find the workspace as the other left it
+    hidden, inter, experts, topk = SMALL
+    w = weights_for(fmt, SMALL)
+    (buf,) = mc.make_buffers(fmt, 1, experts, 7, topk, hidden, inter)
+    g = torch.Generator().manual_seed(0)
+    kinds = set()
+    for call in range(300):
+        n = int(torch.randint(0, 8, (1,), generator=g))
+        kinds.add(n * topk <= 8 and n > 0)
+        inp = mc.make_inputs(fmt, [n], hidden, experts, topk, seed=1000 + call, mask_frac=float(call % 3) * 0.2)[0]
+        (y,) = mc.run_ranks(w, [inp], [buf])
+        if n and (call % 10 == 0 or call < 20):
+            assert not torch.isnan(y).any(), call
+            d = calc_diff(y.float(), mc.reference(w, inp))
+            record_diff(fmt, d)
+            assert d < TOL[fmt], (call, n, d)
+    assert kinds == {True, False}
+    buf.check()
+
+
+@pytest.mark.parametrize('fmt', FORMATS)
+def test_cuda_graph_replay(fmt):
+    hidden, inter, experts, topk = MID
+    w = weights_for(fmt, MID)
+    (buf,) = mc.make_buffers(fmt, 1, experts, 1, topk, hidden, inter)
+    first = mc.make_inputs(fmt, [1], hidden, experts, topk, seed=15)[0]
+    y = torch.empty(1, hidden, dtype=torch.bfloat16, device='cuda')
+    mc.run_ranks(w, [first], [buf])
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(graph, stream=s):
+            ENTRY[fmt](y, *w.per_rank[0], buf)
+    for seed in (16, 17):
+        inp = mc.make_inputs(fmt, [1], hidden, experts, topk, seed=seed, mask_frac=0.2)[0]
+        mc.stage_inputs(buf, inp)
+        y.fill_(float('nan'))
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = mc.run_ranks(w, [inp], [buf])[0]
+        assert torch.equal(y.view(torch.int16), eager.view(torch.int16))
+        assert calc_diff(y.float(), mc.reference(w, inp)) < TOL[fmt]
+    buf.check()
+
+
+def test_off_by_default_and_where_it_cannot_run():
+    _C.set_mega_moe_weights_first(0)
+    assert not _C.get_mega_moe_kernel_variant(1, 1, 128, 8, 2048, 768, 1, 132)['weights_first']
+    _C.set_mega_moe_weights_first(1)
+    assert not _C.get_mega_moe_kernel_variant(0, 1, 128, 8, 2048, 768, 1, 132)['weights_first']   # FP8 x FP4
+    assert not _C.get_mega_moe_kernel_variant(1, 2, 128, 8, 2048, 768, 1, 132)['weights_first']   # two ranks
+    assert not _C.get_mega_moe_kernel_variant(1, 1, 128, 8, 2048, 768, 2, 132)['weights_first']   # 16 pairs
