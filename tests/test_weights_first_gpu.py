@@ -49,7 +49,7 @@ def weights_for(fmt, shape, seed=0):
 def assert_weights_first(fmt, shape, n, buf):
     hidden, inter, experts, topk = shape
     name = _C.get_mega_moe_kernel_variant(1 if fmt == 'fp8xfp8' else 2, 1, experts, topk, hidden, inter, n,
-                                          buf.num_sms or _C.get_num_sms(), _max_smem(torch.device('cuda')))['name']
+                                          getattr(buf, 'num_sms', None) or _C.get_num_sms(), _max_smem(torch.device('cuda')))['name']
     assert name.startswith('sm90_mega_moe_ws_'), name
 
 
