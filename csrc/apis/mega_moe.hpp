@@ -148,6 +148,19 @@ inline void register_apis(py::module_& m) {
           "The kernel's split-K L1 plan of a decode call whose `tiles` L1 tiles are all narrow: (K parts\n"
           "per tile, K-blocks of each part). Works without a GPU.");
 
+    m.def("get_mega_moe_ws_plan",
+          [](int mma_type, int hidden, int intermediate_hidden, int num_slots, int grid) {
+              const MegaMoEWsPlan plan(mega_moe_mma_type(mma_type), hidden, intermediate_hidden, num_slots, grid);
+              py::dict d;
+              d["kb1"] = plan.kb1, d["tiles1"] = plan.tiles1, d["units1"] = plan.units1, d["s1"] = plan.s1, d["chunks1"] = plan.chunks1;
+              d["kb2"] = plan.kb2, d["per_column"] = plan.per_column, d["columns"] = plan.columns, d["units2"] = plan.units2;
+              d["s2"] = plan.s2, d["chunks2"] = plan.chunks2;
+              return d;
+          },
+          py::arg("mma_type"), py::arg("hidden"), py::arg("intermediate_hidden"), py::arg("num_slots"), py::arg("grid"),
+          "The weights-first kernel's plan (MegaMoEWsPlan) for a call with `num_slots` distinct routed experts on\n"
+          "`grid` CTAs: units, chunk length and chunks per phase. Works without a GPU.");
+
     m.def("set_mega_moe_weights_first",
           [](int choice) {
               if (choice < -1 or choice > 1)

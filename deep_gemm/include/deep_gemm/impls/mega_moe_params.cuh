@@ -236,6 +236,28 @@ DG_HOST_DEVICE constexpr int mega_moe_ws_stages(MmaType t, int hidden, int inter
     return s;
 }
 
+// The weights-first kernel's work, the same in every CTA (a function of the call's distinct routed
+// experts, `num_slots`, and the grid): L1 units (slot, 256-row tile, K-block) and L2 units (256-wide
+// column tile of y, slot, K-block), K fastest, each phase cut into chunks of s consecutive units:
+// at least one chunk per CTA (at most kMaxWsChunks) and at least one per tile / column tile, so that
+// a chunk is at most one tile's worth and holds a part of at most two of them (its partial-sum slots)
+struct MegaMoEWsPlan {
+    int kb1, tiles_per_expert, tiles1, units1, s1, chunks1;   // L1
+    int kb2, per_column, columns, units2, s2, chunks2;        // L2: per_column = slots x kb2 units
+    DG_HOST_DEVICE MegaMoEWsPlan(MmaType t, int hidden, int intermediate, int num_slots, int grid) {
+        const int bk = 128 / activation_bytes(t);
+        const int target = min_of(grid, layout::kMaxWsChunks);
+        kb1 = hidden / bk, tiles_per_expert = intermediate / 128;
+        tiles1 = num_slots * tiles_per_expert, units1 = tiles1 * kb1;
+        s1 = units1 == 0 ? 1 : ceil_div(units1, max_of(target, tiles1));
+        chunks1 = ceil_div(units1, s1);
+        kb2 = intermediate / bk, per_column = num_slots * kb2, columns = hidden / 256;
+        units2 = columns * per_column;
+        s2 = units2 == 0 ? 1 : ceil_div(units2, max_of(target, columns));
+        chunks2 = ceil_div(units2, s2);
+    }
+};
+
 // The task log's stamps (slot k of a task's entry, scripts/trace.py reads them by these names): the
 // math's id word (rows << 40 | kind << 32 | task), ring slot read, first L1 stage ready, K-loop
 // end, epilogue end; the producer's ticket in the ring, first stage claimed (B issued), first A

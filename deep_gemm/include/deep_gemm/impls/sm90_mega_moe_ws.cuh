@@ -49,24 +49,6 @@ constexpr uint32_t kWsPhaseL2 = 0x40000000u;
 constexpr int kWsBarrierMath = 1;
 constexpr uint32_t kWsPollMask = 63;
 
-// The call's work, the same in every CTA (it depends on the routing's distinct experts only)
-struct WsPlan {
-    int kb1, tiles_per_expert, tiles1, units1, s1, chunks1;   // L1
-    int kb2, per_column, columns, units2, s2, chunks2;        // L2: per_column = slots x kb2 units
-    __device__ WsPlan(const L::MegaMoELayout& lay, int num_slots, int grid) {
-        const int bk = 128 / activation_bytes(lay.mma_type);
-        const int target = min_of(grid, L::kMaxWsChunks);
-        kb1 = lay.hidden / bk, tiles_per_expert = lay.intermediate_hidden / 128;
-        tiles1 = num_slots * tiles_per_expert, units1 = tiles1 * kb1;
-        s1 = units1 == 0 ? 1 : ceil_div(units1, max_of(target, tiles1));
-        chunks1 = ceil_div(units1, s1);
-        kb2 = lay.intermediate_hidden / bk, per_column = num_slots * kb2, columns = lay.hidden / kWsTileRows;
-        units2 = columns * per_column;
-        s2 = units2 == 0 ? 1 : ceil_div(units2, max_of(target, columns));
-        chunks2 = ceil_div(units2, s2);
-    }
-};
-
 struct WsShared {
     SharedControl ctrl;
     int num_slots;
@@ -196,7 +178,7 @@ struct WsKernel {
     // Producer (one lane of warp 4): claim chunks, stream their units through the stages. The
     // weight tile of a unit (and for L1 x's K-block, for FP8 the tile's two block scales) lands on
     // the stage's full barrier; the stage's word says which unit it is.
-    __device__ void producer(const CUtensorMap* tm_x, const CUtensorMap* tm_l1_w, const CUtensorMap* tm_l2_w, const WsPlan& plan,
+    __device__ void producer(const CUtensorMap* tm_x, const CUtensorMap* tm_l1_w, const CUtensorMap* tm_l2_w, const MegaMoEWsPlan& plan,
                              int ticket) {
         auto* queue = counts() + L::kWsCountQueue;
         const int total = plan.chunks1 + plan.chunks2;
@@ -389,7 +371,7 @@ struct WsKernel {
 
     // Before the first L2 unit: every L1 tile done (bounded), then the pairs' rows (TMA, every
     // K-block) and, FP8, their scales
-    __device__ bool wait_l1_and_load_h(const CUtensorMap* tm_h, const WsPlan& plan, const Thread& th) {
+    __device__ bool wait_l1_and_load_h(const CUtensorMap* tm_h, const MegaMoEWsPlan& plan, const Thread& th) {
         if (th.tid == 0) {
             const uint32_t* done = counts() + L::kWsCountL1Done;
             const uint64_t start = globaltimer_ns();
@@ -424,7 +406,7 @@ struct WsKernel {
         return wait_bar(h_bar, 0);
     }
 
-    __device__ void math(const CUtensorMap* tm_h, const WsPlan& plan) {
+    __device__ void math(const CUtensorMap* tm_h, const MegaMoEWsPlan& plan) {
         const Thread th(static_cast<int>(threadIdx.x));
         float acc[4][4];
         bool h_ready = false;
@@ -527,7 +509,7 @@ struct WsKernel {
             read_x_scales(static_cast<int>(threadIdx.x));
         }
         __syncthreads();
-        const WsPlan plan(lay, sh->num_slots, static_cast<int>(gridDim.x));
+        const MegaMoEWsPlan plan(lay.mma_type, lay.hidden, lay.intermediate_hidden, sh->num_slots, static_cast<int>(gridDim.x));
         if (warp == 4) {
             if (lane_idx() == 0) {
                 if (ticket == 0) {   // one CTA: the statistics and the bad-id flag
