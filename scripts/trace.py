@@ -36,6 +36,10 @@ from deep_gemm.testing import moe_case as mc
 
 SLOTS = ['start', 'counted', 'layout', 'pull end', 'L1 begin', 'L1 end', 'L2 begin', 'L2 end',
          'combine ready', 'combine end', 'exit', 'pull begin', 'L1 1st stage']
+# The weights-first kernel's slots (WsTraceSlot in impls/sm90_mega_moe_ws.cuh; DG_MEGA_MOE_WEIGHTS_FIRST=1)
+WS_SLOTS = ['start', 'routing', 'first issue', 'first stage', 'L1 consumed', 'L1 epilogue', 'L1 waited', 'h loaded',
+            'L2 consumed', 'y written', 'exit']
+MMA = {'fp8xfp4': 0, 'fp8xfp8': 1, 'bf16xbf16': 2}
 NUM_SLOTS = _C.kTraceSlots   # per K-block stamps of the first L1 task: kTraceKbReady + kb, kTraceKbIssue + kb
 
 
@@ -73,7 +77,9 @@ def trace_case(fmt, h, i, e, k, n, reps=3, flush=None, code_warm=False):
     t0 = t[:, 0][t[:, 0] > 0].min()
     print(f'--- {fmt} {h}/{i}/{e}/{k} n={n}' + (f' (cold: L2 flushed, {flush.mode}' + (', code warmed by a call on other experts)' if code_warm else ')')
                                               if flush is not None else ''))
-    for s, name in enumerate(SLOTS):
+    from deep_gemm.mega.launch import _max_smem
+    ws = _C.get_mega_moe_kernel_variant(MMA[fmt], 1, e, k, h, i, n, _C.get_num_sms(), _max_smem(torch.device('cuda')))['weights_first']
+    for s, name in enumerate(WS_SLOTS if ws else SLOTS):
         col = t[:, s]
         col = col[col > 0].double()
         if col.numel():

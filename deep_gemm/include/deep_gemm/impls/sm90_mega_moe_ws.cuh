@@ -48,6 +48,12 @@ constexpr uint32_t kWsEnd = 0x80000000u;    // stage word: no more units
 constexpr uint32_t kWsPhaseL2 = 0x40000000u;
 constexpr int kWsBarrierMath = 1;
 constexpr uint32_t kWsPollMask = 63;
+// The trace's slots (MegaMoEParams::trace; scripts/trace.py prints them under these names when the
+// call ran weights-first): per CTA the first or (L1 / L2 ends, the last epilogues) the last stamp
+enum WsTraceSlot : int {
+    kWsTraceStart = 0, kWsTraceRouting, kWsTraceFirstIssue, kWsTraceFirstStage, kWsTraceL1Consumed, kWsTraceL1Epilogue,
+    kWsTraceL1Waited, kWsTraceHLoaded, kWsTraceL2Consumed, kWsTraceYWritten, kWsTraceExit, kWsTraceSlots
+};
 
 struct WsShared {
     SharedControl ctrl;
@@ -75,7 +81,7 @@ struct WsKernel {
     // FP32 exchange rows, the activation scales (FP8: x's and the pairs' rows', per K-block and
     // column), the stages' weight scales, barriers, stage words and the shared scalars
     static_assert(sizeof(WsShared) <= kMegaMoEWsScalarBytes and kWsThreads == kMegaMoEWsThreads and kWsMaxPairs == kMegaMoEWsMaxPairs);
-    static_assert(kStageScaleFloats * 4 == 16 and kWsActBytes == kMegaMoEWsMaxPairs * 128);
+    static_assert(kStageScaleFloats * 4 == 16 and kWsActBytes == kMegaMoEWsMaxPairs * 128 and kWsTraceSlots <= kTraceSlots);
 
     const MegaMoEParams& p;
     const L::MegaMoELayout& lay;
@@ -109,6 +115,10 @@ struct WsKernel {
 
     template <typename T>
     __device__ T* mine(const L::Section& s) const { return lay.get_ptr<T>(p.buffers[p.rank], s); }
+    // scripts/trace.py (MegaMoEParams::trace): this kernel's stamps, slot by WsTraceSlot
+    __device__ void trace(int slot) const {
+        if (p.trace != nullptr) p.trace[static_cast<int64_t>(blockIdx.x) * kTraceSlots + slot] = globaltimer_ns();
+    }
     __device__ uint32_t* counts() const { return mine<uint32_t>(lay.ws_count); }
     __device__ bool aborted() const {
         return *reinterpret_cast<volatile int*>(&sh->ctrl.abort) or ld_volatile(mine<uint64_t>(lay.status) + L::kStatusAbort) != 0;
@@ -219,6 +229,7 @@ struct WsKernel {
                 mbarrier_arrive_expect_tx(full + s, kWsStageBytes + (l2 ? 0 : kWsActBytes));
                 tma_load_2d(stages + s * kWsStageBytes, l2 ? tm_l2_w : tm_l1_w, full + s, kb * BLOCK_K, row);
                 if (not l2) tma_load_2d(acts + s * kWsActBytes, tm_x, full + s, kb * BLOCK_K, 0);
+                if (it == 0) trace(kWsTraceFirstIssue);
             }
             // The next claim waits for a free stage: by then every resident CTA has drawn its first
             // ticket, so the first wave of chunks goes one to a CTA
@@ -280,22 +291,35 @@ struct WsKernel {
         }
         named_barrier(kWsBarrierMath, kWsMathThreads);
         if (not ld_volatile_shared_s32(smem_addr(&sh->split_last))) return false;
-        float mine_v[4][4];
+        float own_v[4][4];
         #pragma unroll
         for (int q = 0; q < 4; ++q)
             #pragma unroll
-            for (int i = 0; i < 4; ++i) mine_v[q][i] = acc[q][i];
-        for (int kk = first; kk < first + parts; ++kk) {
-            const float4* src = part_ptr(kk);
+            for (int i = 0; i < 4; ++i) own_v[q][i] = acc[q][i];
+        // four parts' loads in flight at a time (one round trip each, not one a part), summed in part order
+        for (int base_k = first; base_k < first + parts; base_k += 4) {
+            float4 v[4][4];
             #pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                float v[4] = {mine_v[q][0], mine_v[q][1], mine_v[q][2], mine_v[q][3]};
-                if (kk != k) {
-                    const float4 f = __ldcg(src + q);
-                    v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+            for (int b = 0; b < 4; ++b) {
+                const int kk = base_k + b;
+                if (kk < first + parts and kk != k) {
+                    const float4* src = part_ptr(kk);
+                    #pragma unroll
+                    for (int q = 0; q < 4; ++q) v[b][q] = __ldcg(src + q);
+                } else {
+                    #pragma unroll
+                    for (int q = 0; q < 4; ++q) v[b][q] = make_float4(own_v[q][0], own_v[q][1], own_v[q][2], own_v[q][3]);
                 }
+            }
+            #pragma unroll
+            for (int b = 0; b < 4; ++b) {
+                if (base_k + b >= first + parts) break;
                 #pragma unroll
-                for (int i = 0; i < 4; ++i) acc[q][i] = kk == first ? v[i] : acc[q][i] + v[i];
+                for (int q = 0; q < 4; ++q) {
+                    const float f[4] = {v[b][q].x, v[b][q].y, v[b][q].z, v[b][q].w};
+                    #pragma unroll
+                    for (int i = 0; i < 4; ++i) acc[q][i] = base_k + b == first ? f[i] : acc[q][i] + f[i];
+                }
             }
         }
         return true;
@@ -347,6 +371,8 @@ struct WsKernel {
     }
 
     // Column tile ct of y from the pairs' sums: per token, its pairs' columns added in pair order
+    // (top-k slot order), each rounded to BF16 first: the persistent kernel's combine, bit for bit
+    // in the sum's order
     __device__ void y_epilogue(int ct, const Thread& th, const float (&acc)[4][4]) {
         #pragma unroll
         for (int q = 0; q < 4; ++q)
@@ -360,7 +386,8 @@ struct WsKernel {
             #pragma unroll
             for (int c = 0; c < kWsMaxPairs; ++c) {
                 if (sh->pair_slot[c] >= 0 and sh->pair_token[c] == t) {
-                    const float2 v = *reinterpret_cast<const float2*>(xchg + c * kWsTileRows + cc);
+                    // each pair's row rounded to BF16 first, as the persistent kernel's combine rows are
+                    const float2 v = __bfloat1622float2(__float22bfloat162_rn(*reinterpret_cast<const float2*>(xchg + c * kWsTileRows + cc)));
                     s0 += v.x, s1 += v.y;
                 }
             }
@@ -391,6 +418,7 @@ struct WsKernel {
                 for (int kb = 0; kb < plan.kb2; ++kb) tma_load_2d(h_tile + kb * kWsActBytes, tm_h, h_bar, kb * BLOCK_K, 0);
             }
             *reinterpret_cast<volatile int*>(&sh->wait_ok) = ok;
+            trace(kWsTraceL1Waited);
         }
         named_barrier(kWsBarrierMath, kWsMathThreads);
         if (not ld_volatile_shared_s32(smem_addr(&sh->wait_ok))) {
@@ -403,7 +431,9 @@ struct WsKernel {
                 h_sf[i] = __ldcg(src + static_cast<int64_t>(i / kWsMaxPairs) * lay.num_pool_rows + i % kWsMaxPairs);
         }
         named_barrier(kWsBarrierMath, kWsMathThreads);
-        return wait_bar(h_bar, 0);
+        const bool loaded = wait_bar(h_bar, 0);
+        if (th.tid == 0) trace(kWsTraceHLoaded);
+        return loaded;
     }
 
     __device__ void math(const CUtensorMap* tm_h, const MegaMoEWsPlan& plan) {
@@ -415,6 +445,7 @@ struct WsKernel {
             if (not wait_bar(full + s, (it / kNumStages) & 1)) return;
             const uint32_t word = words[s];
             if (word & kWsEnd) return;
+            if (it == 0 and th.tid == 0) trace(kWsTraceFirstStage);
             const int u = static_cast<int>(word & (kWsPhaseL2 - 1));
             const float ws0 = kFP8 ? stage_wsf[kStageScaleFloats * s] : 1.0f, ws1 = kFP8 ? stage_wsf[kStageScaleFloats * s + 1] : 1.0f;
             if (not (word & kWsPhaseL2)) {
@@ -440,9 +471,12 @@ struct WsKernel {
                     stage_mma(stages + s * kWsStageBytes, acts + s * kWsActBytes, acc, not first);
                 }
                 if (th.lane == 0) mbarrier_arrive(empty + s);
+                if (th.tid == 0) trace(kWsTraceL1Consumed);
                 const bool last = (u + 1) % plan.kb1 == 0 or (u + 1) % plan.s1 == 0 or u + 1 == plan.units1;
-                if (last and exchange(tile, plan.kb1, plan.s1, u / plan.s1, 0, counts() + L::kWsCountL1Tiles + tile, th, acc))
+                if (last and exchange(tile, plan.kb1, plan.s1, u / plan.s1, 0, counts() + L::kWsCountL1Tiles + tile, th, acc)) {
                     l1_epilogue(tile, plan.tiles_per_expert, th, acc);
+                    if (th.tid == 0) trace(kWsTraceL1Epilogue);
+                }
             } else {
                 if (not h_ready) {
                     if (not wait_l1_and_load_h(tm_h, plan, th)) return;
@@ -458,6 +492,7 @@ struct WsKernel {
                 float part[4][4];
                 stage_mma(stages + s * kWsStageBytes, h_tile + kb * kWsActBytes, part, false);
                 if (th.lane == 0) mbarrier_arrive(empty + s);
+                if (th.tid == 0) trace(kWsTraceL2Consumed);
                 // Column c of the product counts only where pair c belongs to this unit's expert (the
                 // other columns hold other experts' pairs, or rows no pair wrote: a select, never a multiply)
                 const bool m0 = sh->pair_slot[th.c0] == j, m1 = sh->pair_slot[th.c0 + 1] == j;
@@ -472,8 +507,10 @@ struct WsKernel {
                     }
                 }
                 const bool last = (u + 1) % plan.per_column == 0 or (u + 1) % plan.s2 == 0 or u + 1 == plan.units2;
-                if (last and exchange(ct, plan.per_column, plan.s2, u / plan.s2, 2 * L::kMaxWsChunks, counts() + L::kWsCountColumns + ct, th, acc))
+                if (last and exchange(ct, plan.per_column, plan.s2, u / plan.s2, 2 * L::kMaxWsChunks, counts() + L::kWsCountColumns + ct, th, acc)) {
                     y_epilogue(ct, th, acc);
+                    if (th.tid == 0) trace(kWsTraceYWritten);
+                }
             }
         }
     }
@@ -501,6 +538,7 @@ struct WsKernel {
         }
         // Launched as a programmatic dependent: every global access waits for the kernel before
         griddepcontrol_wait();
+        if (threadIdx.x == 128) trace(kWsTraceStart);
         int ticket = 0;
         if (warp == 4) {
             if (lane_idx() == 0) ticket = static_cast<int>(atomicAdd(counts() + L::kWsCountQueue, 1u)), epoch = control[L::kControlEpoch] + 1;
@@ -509,6 +547,7 @@ struct WsKernel {
             read_x_scales(static_cast<int>(threadIdx.x));
         }
         __syncthreads();
+        if (threadIdx.x == 128) trace(kWsTraceRouting);
         const MegaMoEWsPlan plan(lay.mma_type, lay.hidden, lay.intermediate_hidden, sh->num_slots, static_cast<int>(gridDim.x));
         if (warp == 4) {
             if (lane_idx() == 0) {
@@ -529,6 +568,7 @@ struct WsKernel {
         // Leave; the last CTA out resets the call's counters and advances the epoch
         __syncthreads();
         if (threadIdx.x == 128) {
+            trace(kWsTraceExit);
             __threadfence();
             const uint32_t exited = atom_acq_rel_gpu_add(counts() + L::kWsCountExited, 1);
             if (exited == gridDim.x - 1 and ld_volatile(mine<uint64_t>(lay.status) + L::kStatusAbort) == 0) {
