@@ -7,7 +7,8 @@ whole cache. Prebuild first (scripts/prebuild_kernels.py, scripts/ab_prebuild.sh
     python scripts/carry_cache.py SRC DST [--all FORMAT ...] [--case fmt hidden inter experts topk n ...]
 
 DST gets, from SRC: for the working tree, every variant scripts/prebuild_kernels.py builds for the
-`--all` formats (what the GPU tests launch), its staging kernels and the tests' helper kernels; for
+`--all` formats (what the GPU tests launch), its staging kernels, the tests' helper kernels and the
+weights-first kernels of tests/test_weights_first_gpu.py; for
 the working tree and every ab/ variant (ab/<name>.cuh as prepared in /tmp/ab_<name> by
 scripts/ab_prebuild.sh, ab/<name>/ trees as they are), the kernel each `--case` launches at EP1 on
 an H200 and on an H100 (the heuristics read the GPU's HBM bandwidth). A kernel missing from SRC is
@@ -54,6 +55,10 @@ if req['helpers'] and os.path.isfile(os.path.join('tests', 'test_faults_gpu.py')
     sys.path.insert(0, 'tests')
     import test_faults_gpu
     dirs += [test_faults_gpu.compile_helper(name) for name in test_faults_gpu.HELPER_KERNELS]
+# The weights-first kernels tests/test_weights_first_gpu.py launches (FP8 x FP8 / BF16, 5 or 6 stages;
+# a tuning aid's, so not among the prebuilt variants)
+if req['helpers'] and hasattr(_C, 'get_mega_moe_ws_plan'):
+    dirs += [_C.compile_mega_moe(fmt, 64, stages, True, 128, 64, False, False, True) for fmt in (1, 2) for stages in (5, 6)]
 if _C.get_num_nvcc_invocations() != before and not req['compile']:
     sys.exit('kernels missing from the cache (compiled now): prebuild this tree first')
 print(json.dumps(dirs))

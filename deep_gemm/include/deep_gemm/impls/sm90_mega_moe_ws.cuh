@@ -10,7 +10,7 @@
 //            slot, token and weight. No count, no pull: the tokens' rows are read from the inputs.
 //   units    L1: (slot j, 256-row gate/up tile, K-block), K fastest; L2: (256-wide column tile of y,
 //            slot j, K-block), K fastest. Each phase's units are cut into equal chunks of consecutive
-//            units (at most one tile's worth, at least one chunk per CTA); the chunks are claimed from
+//            units (at most one tile's worth, about one chunk per CTA: MegaMoEWsPlan); claimed from
 //            one queue, every L1 chunk before any L2 chunk, so a CTA that waits (L2 on L1) waits for
 //            work some running CTA holds: the kernel completes with part of its grid resident.
 //   L1       the tile's weights are the wgmma M side (4 x 64 rows), the tokens its N = 8 (rows 0..7 of
@@ -22,7 +22,8 @@
 //   L2       after every L1 tile (one counter): the pairs' rows as the N = 8 side (column c = pair
 //            c), each unit's product added into column c only where pair c belongs to the unit's
 //            expert; per column tile the chunks' partial sums are summed in part order by its last
-//            part, which writes y's columns: per token the sum of its pairs, in pair order.
+//            part, which writes y's columns: per token its pairs' rows, each rounded to BF16, summed in
+//            pair (top-k slot) order, as the persistent kernel's combine.
 //
 // Roles: warps 0-3 the math warpgroup, warp 4 the producer (one lane: the queue and the TMA loads).
 
