@@ -89,12 +89,8 @@ def variants_compiled_in_parallel():
                 pass
 
 
-@pytest.mark.parametrize('variant', _variants() + _tuning_variants(),
-                         ids=lambda v: f'{v[0]}-m{v[1]}-n{v[4]}-s{v[2]}-{"fast" if v[3] else "exact"}-w{v[5]}'
-                                       f'{"-sig" if v[6] else ""}{"-pair" if v[7] else ""}')
-def test_mega_moe_variant_compiles_for_sm90a(variant, requires_nvcc, variants_compiled_in_parallel):
-    fmt, block_m, stages, fast, block_n_l2, wide_n_min, signals, pair = variant
-    kernel_dir = _C.compile_mega_moe(mma_type_to_int(fmt), block_m, stages, fast, block_n_l2, wide_n_min, signals, pair)
+def _sass_of(kernel_dir):
+    """The SASS of a compiled kernel's cubin (an sm_90a ELF), or skip where cuobjdump is missing."""
     cubin = os.path.join(kernel_dir, 'kernel.cubin')
     with open(cubin, 'rb') as f:
         assert f.read(4) == b'\x7fELF'
@@ -103,6 +99,16 @@ def test_mega_moe_variant_compiles_for_sm90a(variant, requires_nvcc, variants_co
         pytest.skip('cuobjdump not available: compiled, SASS not inspected')
     sass = subprocess.run([tool, '-sass', cubin], capture_output=True, text=True, check=True).stdout
     assert 'sm_90a' in subprocess.run([tool, '-elf', cubin], capture_output=True, text=True).stdout or 'SM90' in sass
+    return sass
+
+
+@pytest.mark.parametrize('variant', _variants() + _tuning_variants(),
+                         ids=lambda v: f'{v[0]}-m{v[1]}-n{v[4]}-s{v[2]}-{"fast" if v[3] else "exact"}-w{v[5]}'
+                                       f'{"-sig" if v[6] else ""}{"-pair" if v[7] else ""}')
+def test_mega_moe_variant_compiles_for_sm90a(variant, requires_nvcc, variants_compiled_in_parallel):
+    fmt, block_m, stages, fast, block_n_l2, wide_n_min, signals, pair = variant
+    kernel_dir = _C.compile_mega_moe(mma_type_to_int(fmt), block_m, stages, fast, block_n_l2, wide_n_min, signals, pair)
+    sass = _sass_of(kernel_dir)
     mma = 'HGMMA' if fmt == 'bf16xbf16' else 'QGMMA'
     assert mma in sass, f'{fmt}: no {mma} in the SASS'
     assert 'UTMALDG' in sass, 'no TMA loads in the SASS'
@@ -412,13 +418,7 @@ def test_no_stage_read_after_its_release():
 def test_weights_first_kernel_compiles_for_sm90a(fmt, stages, fast, requires_nvcc):
     kernel_dir = _C.compile_mega_moe(mma_type_to_int(fmt), 64, stages, fast, 128, 64, False, False, True)
     assert os.path.basename(kernel_dir).startswith(f'sm90_mega_moe_ws_{fmt}_s{stages}_{"fast" if fast else "exact"}')
-    cubin = os.path.join(kernel_dir, 'kernel.cubin')
-    with open(cubin, 'rb') as f:
-        assert f.read(4) == b'\x7fELF'
-    tool = cuobjdump_path()
-    if tool is None:
-        pytest.skip('cuobjdump not available: compiled, SASS not inspected')
-    sass = subprocess.run([tool, '-sass', cubin], capture_output=True, text=True, check=True).stdout
+    sass = _sass_of(kernel_dir)
     assert ('HGMMA' if fmt == 'bf16xbf16' else 'QGMMA') in sass
     assert 'UTMALDG' in sass and 'ACQBULK' in sass and 'PREEXIT' not in sass
     assert not re.search(r'\b(LDL|STL)\b', sass), 'the weights-first kernel keeps everything in registers'
