@@ -98,18 +98,27 @@ def test_masks_skew_clamp_and_small_grids(fmt):
     check(fmt, V4, 1, 11, sms=1)
 
 
-@pytest.mark.parametrize('fmt', FORMATS)
-def test_duplicate_experts_in_a_token(fmt):
-    # a token that lists an expert twice: both pairs count, each with its own weight (as the reference)
+def run_with_routing(fmt, seed, edit):
+    """Two tokens of the small shape with their routing changed by `edit(idx)` (in place): the
+    weights, buffer, inputs as run and y."""
     hidden, inter, experts, topk = SMALL
     w = weights_for(fmt, SMALL)
     (buf,) = mc.make_buffers(fmt, 1, experts, 2, topk, hidden, inter)
-    inp = mc.make_inputs(fmt, [2], hidden, experts, topk, seed=12)[0]
+    inp = mc.make_inputs(fmt, [2], hidden, experts, topk, seed=seed)[0]
     idx = inp.topk_idx.clone()
-    idx[0, 1] = idx[0, 0]
-    idx[1, 3] = idx[1, 2]
+    edit(idx)
     inp = mc.RankInputs(inp.x, inp.x_q, inp.x_sf, idx, inp.topk_weights)
     (y,) = mc.run_ranks(w, [inp], [buf])
+    return w, buf, inp, y
+
+
+@pytest.mark.parametrize('fmt', FORMATS)
+def test_duplicate_experts_in_a_token(fmt):
+    # a token that lists an expert twice: both pairs count, each with its own weight (as the reference)
+    def duplicate(idx):
+        idx[0, 1] = idx[0, 0]
+        idx[1, 3] = idx[1, 2]
+    w, buf, inp, y = run_with_routing(fmt, 12, duplicate)
     d = calc_diff(y.float(), mc.reference(w, inp))
     record_diff(fmt, d)
     assert d < TOL[fmt], d
@@ -117,13 +126,7 @@ def test_duplicate_experts_in_a_token(fmt):
 
 @pytest.mark.parametrize('fmt', FORMATS)
 def test_bad_ids_flagged_and_masked(fmt):
-    hidden, inter, experts, topk = SMALL
-    w = weights_for(fmt, SMALL)
-    (buf,) = mc.make_buffers(fmt, 1, experts, 2, topk, hidden, inter)
-    inp = mc.make_inputs(fmt, [2], hidden, experts, topk, seed=13)[0]
-    bad = inp.topk_idx.clone()
-    bad[1, 2] = 10_000
-    (y,) = mc.run_ranks(w, [mc.RankInputs(inp.x, inp.x_q, inp.x_sf, bad, inp.topk_weights)], [buf])
+    w, buf, inp, y = run_with_routing(fmt, 13, lambda idx: idx.__setitem__((1, 2), 10_000))
     with pytest.raises(deep_gemm.MegaMoEError, match='expert id') as info:
         buf.check()
     assert info.value.code == 2 and not info.value.fatal

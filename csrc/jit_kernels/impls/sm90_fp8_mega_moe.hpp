@@ -387,6 +387,10 @@ inline SM90MegaMoELaunchPlan make_sm90_mega_moe_plan(const SM90MegaMoEArgs& a, c
     const uint64_t code_row = code_row_override > 0 ? code_row_override : 2 * kMegaMoEPackedRowBytes;
     params.fp4_code_box_rows = static_cast<int>(128 * kMegaMoEPackedRowBytes / code_row);
 
+    plan.launch_config.grid = {static_cast<uint32_t>(config.num_sms), 1, 1};
+    plan.launch_config.block = {static_cast<uint32_t>(config.num_threads), 1, 1};
+    plan.launch_config.smem_bytes = static_cast<uint32_t>(config.smem_bytes);
+    plan.launch_config.programmatic = mega_moe_programmatic_launch();
     const auto& lay = params.layout;
     const bool fp8 = is_fp8_activation(a.mma_type);
     if (variant.weights_first) {
@@ -398,13 +402,9 @@ inline SM90MegaMoELaunchPlan make_sm90_mega_moe_plan(const SM90MegaMoEArgs& a, c
         const auto own = a.buffers[a.rank];
         plan.maps[0] = make_kmajor_tma(own + lay.x.offset, dt, h, std::max<uint64_t>(lay.num_max_tokens_per_rank, n), bk, n, h * act);
         plan.maps[1] = make_kmajor_tma(own + lay.l2_act.offset, dt, i, lay.num_pool_rows, bk, n, i * act);
-        plan.maps[2] = make_kmajor_tma(a.l1_weights, dt, h, e * 2 * i, bk, 256, h * act);
-        plan.maps[3] = make_kmajor_tma(a.l2_weights, dt, i, e * h, bk, 256, i * act);
+        plan.maps[2] = make_kmajor_tma(a.l1_weights, dt, h, e * 2 * i, bk, kMegaMoEWsTileRows, h * act);
+        plan.maps[3] = make_kmajor_tma(a.l2_weights, dt, i, e * h, bk, kMegaMoEWsTileRows, i * act);
         plan.num_maps = 4;
-        plan.launch_config.grid = {static_cast<uint32_t>(config.num_sms), 1, 1};
-        plan.launch_config.block = {static_cast<uint32_t>(config.num_threads), 1, 1};
-        plan.launch_config.smem_bytes = static_cast<uint32_t>(config.smem_bytes);
-        plan.launch_config.programmatic = mega_moe_programmatic_launch();
         return plan;
     }
     const auto dtype = fp8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
@@ -477,10 +477,6 @@ inline SM90MegaMoELaunchPlan make_sm90_mega_moe_plan(const SM90MegaMoEArgs& a, c
     // The kernel's parameter order after the parameter block
     plan.maps = {tm_l1_act, tm_l1_w, tm_l2_act, tm_l2_w, tm_l1_act_narrow, tm_l2_act_narrow, tm_l2_w_pair, tm_l1_d_pair,
                  tm_l2_d_pair, tm_l1_act_16, tm_l2_act_16, tm_l1_act_32, tm_l2_act_32};
-    plan.launch_config.grid = {static_cast<uint32_t>(config.num_sms), 1, 1};
-    plan.launch_config.block = {static_cast<uint32_t>(config.num_threads), 1, 1};
-    plan.launch_config.smem_bytes = static_cast<uint32_t>(config.smem_bytes);
-    plan.launch_config.programmatic = mega_moe_programmatic_launch();
     return plan;
 }
 

@@ -201,31 +201,55 @@ DG_HOST_DEVICE constexpr int mega_moe_smem_bytes(MmaType t, int block_m, int num
 
 // The weights-first kernel (impls/sm90_mega_moe_ws.cuh, docs/KERNEL.md "Weights first"): a
 // one-rank call of at most kMegaMoEWsMaxPairs routed (token, slot) pairs, FP8 x FP8 or BF16, run
-// as split-K chunks of 256-row weight tiles that every CTA starts streaming at once. One math
-// warpgroup and a producer warp; its shared memory by this function (the kernel checks its scalars
-// fit kMegaMoEWsScalarBytes).
-constexpr int kMegaMoEWsMaxPairs = 8;
-constexpr int kMegaMoEWsThreads = 160;
+// as split-K chunks of kMegaMoEWsTileRows-row weight tiles that every CTA starts streaming at once.
+// One math warpgroup and a producer warp.
+constexpr int kMegaMoEWsMaxPairs = 8;                          // wgmma N: the tokens (L1) and the pairs (L2)
+constexpr int kMegaMoEWsMathThreads = 128;
+constexpr int kMegaMoEWsThreads = kMegaMoEWsMathThreads + 32;
+constexpr int kMegaMoEWsTileRows = 256;                        // L1: 128 gate + 128 up rows; L2: columns of y
+constexpr int kMegaMoEWsStageBytes = kMegaMoEWsTileRows * 128; // a weight tile's K-block
+constexpr int kMegaMoEWsNSideBytes = kMegaMoEWsMaxPairs * 128; // a K-block of the N side
+constexpr int kMegaMoEWsStageScaleBytes = 16;                  // a stage's two weight block scales (FP8), padded
 constexpr int kMegaMoEWsScalarBytes = 256;
 constexpr int kMegaMoEWsMaxStages = 6;
 constexpr int kMegaMoEWsMinStages = 3;
+// Its shared memory, the one place the kernel's carve-up and the launch's size come from: offsets
+// from the 1024-aligned base of the stages' weight tiles (0), their N-side K-blocks, the pairs' rows
+// (the L2 N side, every K-block), 8 x kMegaMoEWsTileRows FP32 exchange rows, the activation scales
+// (FP8: x's and the pairs' rows', per K-block and column), the stages' weight scales, the full and
+// empty mbarriers, the N-side mbarrier, the stage words and the scalars (16-aligned); `bytes`, the
+// launch's dynamic shared memory, adds 1024 for the base's alignment
+struct MegaMoEWsSmem {
+    int acts = 0, h_tile = 0, xchg = 0, x_sf = 0, h_sf = 0, stage_wsf = 0, full = 0, empty = 0, h_bar = 0, words = 0, shared = 0, bytes = 0;
+    DG_HOST_DEVICE constexpr MegaMoEWsSmem(MmaType t, int num_stages, int hidden, int intermediate) {
+        const int block_k = 128 / activation_bytes(t);
+        const bool fp8 = t == MmaType::kFP8xFP8;
+        int c = num_stages * kMegaMoEWsStageBytes;
+        acts = c, c += num_stages * kMegaMoEWsNSideBytes;
+        h_tile = c, c += (intermediate / block_k) * kMegaMoEWsNSideBytes;
+        xchg = c, c += kMegaMoEWsMaxPairs * kMegaMoEWsTileRows * 4;
+        x_sf = c, c += fp8 ? (hidden / 128) * kMegaMoEWsMaxPairs * 4 : 0;
+        h_sf = c, c += fp8 ? (intermediate / 128) * kMegaMoEWsMaxPairs * 4 : 0;
+        stage_wsf = c, c += num_stages * kMegaMoEWsStageScaleBytes;
+        full = c, c += num_stages * 8;
+        empty = c, c += num_stages * 8;
+        h_bar = c, c += 8;
+        words = c, c += num_stages * 4;
+        shared = align_up(c, 16);
+        bytes = 1024 + shared + kMegaMoEWsScalarBytes;
+    }
+};
 DG_HOST_DEVICE constexpr int mega_moe_ws_smem_bytes(MmaType t, int num_stages, int hidden, int intermediate) {
-    const int block_k = 128 / activation_bytes(t), n_side = kMegaMoEWsMaxPairs * 128;
-    const int scales = t == MmaType::kFP8xFP8 ? (hidden / 128 + intermediate / 128) * kMegaMoEWsMaxPairs * 4 : 0;
-    // 1024: the base re-aligned; per stage a 256-row weight tile, its N-side K-block, 16 bytes of
-    // weight scales, two mbarriers and a word; the pairs' rows (every L2 K-block); 8 x 256 FP32
-    // exchange rows; the activation scales; the N-side mbarrier; scalars (16-aligned)
-    return 1024 + num_stages * (256 * 128 + n_side + 16 + 8 + 8 + 4) + (intermediate / block_k) * n_side +
-           kMegaMoEWsMaxPairs * 256 * 4 + scales + 16 + 16 + kMegaMoEWsScalarBytes;
+    return MegaMoEWsSmem(t, num_stages, hidden, intermediate).bytes;
 }
 // Whether a call can run weights-first: FP8 x FP8 or BF16, one rank (every input local), 1 to
 // kMegaMoEWsMaxPairs routed pairs (n x top-k: so that an expert's pairs, duplicates included, fit
-// the N = 8 side), whole 256-wide column tiles of y, at most kMaxSplitTiles L1 tiles and
+// the N = 8 side), whole kMegaMoEWsTileRows-wide column tiles of y, at most kMaxSplitTiles L1 tiles and
 // kMaxWsChunks column tiles (the workspace's counters), and the fewest stages in shared memory
 DG_HOST_DEVICE constexpr bool mega_moe_ws_ok(MmaType t, int num_ranks, int num_experts, int num_tokens, int num_topk, int hidden,
                                              int intermediate, int max_smem_bytes) {
     return (t == MmaType::kFP8xFP8 or t == MmaType::kBF16xBF16) and num_ranks == 1 and num_tokens >= 1 and
-           num_tokens * num_topk <= kMegaMoEWsMaxPairs and hidden % 256 == 0 and hidden / 256 <= layout::kMaxWsChunks and
+           num_tokens * num_topk <= kMegaMoEWsMaxPairs and hidden % kMegaMoEWsTileRows == 0 and hidden / kMegaMoEWsTileRows <= layout::kMaxWsChunks and
            min_of(num_tokens * num_topk, num_experts) * (intermediate / 128) <= layout::kMaxSplitTiles and
            mega_moe_ws_smem_bytes(t, kMegaMoEWsMinStages, hidden, intermediate) <= max_smem_bytes;
 }
@@ -251,7 +275,7 @@ struct MegaMoEWsPlan {
         tiles1 = num_slots * tiles_per_expert, units1 = tiles1 * kb1;
         s1 = units1 == 0 ? 1 : ceil_div(units1, max_of(target, tiles1));
         chunks1 = ceil_div(units1, s1);
-        kb2 = intermediate / bk, per_column = num_slots * kb2, columns = hidden / 256;
+        kb2 = intermediate / bk, per_column = num_slots * kb2, columns = hidden / kMegaMoEWsTileRows;
         units2 = columns * per_column;
         s2 = units2 == 0 ? 1 : ceil_div(units2, max_of(target, columns));
         chunks2 = ceil_div(units2, s2);

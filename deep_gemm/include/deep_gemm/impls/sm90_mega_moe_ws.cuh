@@ -39,12 +39,13 @@ namespace L = deep_gemm::layout;
 using sm90_mega_moe::report;
 using sm90_mega_moe::SharedControl;
 
-constexpr int kWsMaxPairs = 8;              // wgmma N: the pairs (L2) and the tokens (L1) of a call
-constexpr int kWsMathThreads = 128;
-constexpr int kWsThreads = kWsMathThreads + 32;
-constexpr int kWsTileRows = 256;            // L1: 128 gate + 128 up rows; L2: 256 columns of y
-constexpr int kWsStageBytes = kWsTileRows * 128;
-constexpr int kWsActBytes = kWsMaxPairs * 128;   // one K-block of the N side
+// Short names of mega_moe_params.cuh's constants (the launcher sizes the launch from the same ones)
+constexpr int kWsMaxPairs = kMegaMoEWsMaxPairs;
+constexpr int kWsMathThreads = kMegaMoEWsMathThreads;
+constexpr int kWsThreads = kMegaMoEWsThreads;
+constexpr int kWsTileRows = kMegaMoEWsTileRows;
+constexpr int kWsStageBytes = kMegaMoEWsStageBytes;
+constexpr int kWsActBytes = kMegaMoEWsNSideBytes;
 constexpr uint32_t kWsEnd = 0x80000000u;    // stage word: no more units
 constexpr uint32_t kWsPhaseL2 = 0x40000000u;
 constexpr int kWsBarrierMath = 1;
@@ -62,8 +63,7 @@ struct WsShared {
     int bad_token;                   // the first pair with a bad expert id: its token, or -1
     int split_last;
     int wait_ok;
-    int pair_slot[kWsMaxPairs];      // -1: masked, a bad id, or no pair (c >= n x top-k)
-    int pair_token[kWsMaxPairs];
+    int pair_slot[kWsMaxPairs];      // -1: masked, a bad id, or no pair (c >= n x top-k); pair c's token is c / top-k
     float pair_weight[kWsMaxPairs];
     int slot_expert[kWsMaxPairs];
 };
@@ -75,14 +75,8 @@ struct WsKernel {
     static constexpr int kActBytes = kFP8 ? 1 : 2;
     static constexpr int BLOCK_K = 128 / kActBytes;
     using Mma = std::conditional_t<kFP8, mma::FP8MmaN8, mma::BF16MmaN8>;
-    static constexpr int kStageScaleFloats = 4;   // a stage's two weight block scales (FP8), padded
-
-    // Shared memory (after the 1024-aligned base), as mega_moe_ws_smem_bytes counts it: the stages'
-    // weight tiles, their N-side K-blocks, the L2 N side (the pairs' rows, every K-block), 8 x 256
-    // FP32 exchange rows, the activation scales (FP8: x's and the pairs' rows', per K-block and
-    // column), the stages' weight scales, barriers, stage words and the shared scalars
-    static_assert(sizeof(WsShared) <= kMegaMoEWsScalarBytes and kWsThreads == kMegaMoEWsThreads and kWsMaxPairs == kMegaMoEWsMaxPairs);
-    static_assert(kStageScaleFloats * 4 == 16 and kWsActBytes == kMegaMoEWsMaxPairs * 128 and kWsTraceSlots <= kTraceSlots);
+    static constexpr int kStageScaleFloats = kMegaMoEWsStageScaleBytes / 4;
+    static_assert(sizeof(WsShared) <= kMegaMoEWsScalarBytes and kWsTraceSlots <= kTraceSlots);
 
     const MegaMoEParams& p;
     const L::MegaMoELayout& lay;
@@ -98,20 +92,15 @@ struct WsKernel {
     WsShared* sh;
     uint32_t epoch = 0;
 
+    // The carve-up of MegaMoEWsSmem, the layout the launcher sized the launch by
     __device__ WsKernel(const MegaMoEParams& params, uint8_t* base) : p(params), lay(params.layout) {
-        stages = base;
-        acts = stages + kNumStages * kWsStageBytes;
-        h_tile = acts + kNumStages * kWsActBytes;
-        uint8_t* cursor = h_tile + (lay.intermediate_hidden / BLOCK_K) * kWsActBytes;
-        xchg = reinterpret_cast<float*>(cursor), cursor += kWsMaxPairs * kWsTileRows * 4;
-        x_sf = reinterpret_cast<float*>(cursor), cursor += kFP8 ? (lay.hidden / 128) * kWsMaxPairs * 4 : 0;
-        h_sf = reinterpret_cast<float*>(cursor), cursor += kFP8 ? (lay.intermediate_hidden / 128) * kWsMaxPairs * 4 : 0;
-        stage_wsf = reinterpret_cast<float*>(cursor), cursor += kNumStages * kStageScaleFloats * 4;
-        full = reinterpret_cast<uint64_t*>(cursor), cursor += kNumStages * 8;
-        empty = reinterpret_cast<uint64_t*>(cursor), cursor += kNumStages * 8;
-        h_bar = reinterpret_cast<uint64_t*>(cursor), cursor += 16;
-        words = reinterpret_cast<uint32_t*>(cursor), cursor += kNumStages * 4;
-        sh = reinterpret_cast<WsShared*>(align_up<uintptr_t>(reinterpret_cast<uintptr_t>(cursor), 16));
+        const MegaMoEWsSmem o(kMmaType, kNumStages, lay.hidden, lay.intermediate_hidden);
+        stages = base, acts = base + o.acts, h_tile = base + o.h_tile;
+        xchg = reinterpret_cast<float*>(base + o.xchg), x_sf = reinterpret_cast<float*>(base + o.x_sf);
+        h_sf = reinterpret_cast<float*>(base + o.h_sf), stage_wsf = reinterpret_cast<float*>(base + o.stage_wsf);
+        full = reinterpret_cast<uint64_t*>(base + o.full), empty = reinterpret_cast<uint64_t*>(base + o.empty);
+        h_bar = reinterpret_cast<uint64_t*>(base + o.h_bar), words = reinterpret_cast<uint32_t*>(base + o.words);
+        sh = reinterpret_cast<WsShared*>(base + o.shared);
     }
 
     template <typename T>
@@ -163,7 +152,6 @@ struct WsKernel {
         const uint32_t bads = __ballot_sync(0xffffffff, bad);
         if (lane < kWsMaxPairs) {
             sh->pair_slot[lane] = valid ? below : -1;
-            sh->pair_token[lane] = lane / lay.num_topk;
             sh->pair_weight[lane] = w;
             if (valid and first) sh->slot_expert[below] = ei;
         }
@@ -345,7 +333,7 @@ struct WsKernel {
         for (int c = th.warp; c < kWsMaxPairs; c += 4) {
             if (sh->pair_slot[c] != j) continue;   // warp-uniform
             const float w = sh->pair_weight[c];
-            const float4 v = *reinterpret_cast<const float4*>(xchg + sh->pair_token[c] * 128 + th.lane * 4);
+            const float4 v = *reinterpret_cast<const float4*>(xchg + (c / lay.num_topk) * 128 + th.lane * 4);
             const int64_t col = static_cast<int64_t>(c) * lay.intermediate_hidden + tl * 128 + th.lane * 4;
             if constexpr (kFP8) {
                 float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
@@ -386,7 +374,7 @@ struct WsKernel {
             float s0 = 0.0f, s1 = 0.0f;
             #pragma unroll
             for (int c = 0; c < kWsMaxPairs; ++c) {
-                if (sh->pair_slot[c] >= 0 and sh->pair_token[c] == t) {
+                if (sh->pair_slot[c] >= 0 and c / lay.num_topk == t) {
                     // each pair's row rounded to BF16 first, as the persistent kernel's combine rows are
                     const float2 v = __bfloat1622float2(__float22bfloat162_rn(*reinterpret_cast<const float2*>(xchg + c * kWsTileRows + cc)));
                     s0 += v.x, s1 += v.y;
