@@ -1,5 +1,7 @@
 """The weights-first kernel (impls/sm90_mega_moe_ws.cuh) on the GPU: one-rank calls of at most 8
-routed pairs, FP8 x FP8 and BF16, forced on with `_C.set_mega_moe_weights_first(1)`.
+routed pairs, FP8 x FP8 and BF16, forced on with `_C.set_mega_moe_weights_first(1)`, in the split
+(0) and whole (3) plan forms (`_C.set_mega_moe_ws_plan`; 1 and 2, one phase whole, in
+test_plan_forms_back_to_back).
 
 Every case: fresh random inputs, y poisoned with NaN, every row against the emulating reference with
 the tolerances of tests/test_mega_moe_gpu.py (3e-4 FP8, 2e-6 BF16, derived there): this kernel
@@ -36,6 +38,13 @@ def weights_first():
     old = _C.set_mega_moe_weights_first(1)
     yield
     _C.set_mega_moe_weights_first(old)
+
+
+@pytest.fixture(params=[0, 3], ids=lambda f: f'form{f}')
+def form(request):
+    old = _C.set_mega_moe_ws_plan(request.param)
+    yield request.param
+    _C.set_mega_moe_ws_plan(old)
 
 
 def weights_for(fmt, shape, seed=0):
@@ -78,13 +87,13 @@ def check(fmt, shape, n, seed, sms=None, clamp=None, stats=None, **routing):
 
 @pytest.mark.parametrize('fmt', FORMATS)
 @pytest.mark.parametrize('shape, n', [(SMALL, 1), (SMALL, 2), (MID, 1), (V4, 1), (BIG, 1)])
-def test_matches_reference(fmt, shape, n):
+def test_matches_reference(fmt, shape, n, form):
     for seed in (1, 2):
         check(fmt, shape, n, seed)
 
 
 @pytest.mark.parametrize('fmt', FORMATS)
-def test_masks_skew_clamp_and_small_grids(fmt):
+def test_masks_skew_clamp_and_small_grids(fmt, form):
     check(fmt, MID, 1, 3, mask_frac=0.3)
     check(fmt, SMALL, 2, 4, mask_frac=0.3)
     check(fmt, SMALL, 2, 5, hot_expert=3)                 # both tokens share an expert
@@ -113,7 +122,7 @@ def run_with_routing(fmt, seed, edit):
 
 
 @pytest.mark.parametrize('fmt', FORMATS)
-def test_duplicate_experts_in_a_token(fmt):
+def test_duplicate_experts_in_a_token(fmt, form):
     # a token that lists an expert twice: both pairs count, each with its own weight (as the reference)
     def duplicate(idx):
         idx[0, 1] = idx[0, 0]
@@ -125,7 +134,7 @@ def test_duplicate_experts_in_a_token(fmt):
 
 
 @pytest.mark.parametrize('fmt', FORMATS)
-def test_bad_ids_flagged_and_masked(fmt):
+def test_bad_ids_flagged_and_masked(fmt, form):
     w, buf, inp, y = run_with_routing(fmt, 13, lambda idx: idx.__setitem__((1, 2), 10_000))
     with pytest.raises(deep_gemm.MegaMoEError, match='expert id') as info:
         buf.check()
@@ -138,7 +147,7 @@ def test_bad_ids_flagged_and_masked(fmt):
 
 
 @pytest.mark.parametrize('fmt', FORMATS)
-def test_bitwise_repeatable_and_stats(fmt):
+def test_bitwise_repeatable_and_stats(fmt, form):
     hidden, inter, experts, topk = MID
     w = weights_for(fmt, MID)
     (buf,) = mc.make_buffers(fmt, 1, experts, 1, topk, hidden, inter)
@@ -152,7 +161,7 @@ def test_bitwise_repeatable_and_stats(fmt):
 
 
 @pytest.mark.parametrize('fmt', FORMATS)
-def test_back_to_back_with_the_persistent_kernel(fmt):
+def test_back_to_back_with_the_persistent_kernel(fmt, form):
     # one buffer, calls of 0-7 tokens: n x top-k <= 8 runs weights-first, the others the persistent
     # kernel; each must find the workspace as the other left it
     hidden, inter, experts, topk = SMALL
@@ -175,7 +184,7 @@ def test_back_to_back_with_the_persistent_kernel(fmt):
 
 
 @pytest.mark.parametrize('fmt', FORMATS)
-def test_cuda_graph_replay(fmt):
+def test_cuda_graph_replay(fmt, form):
     hidden, inter, experts, topk = MID
     w = weights_for(fmt, MID)
     (buf,) = mc.make_buffers(fmt, 1, experts, 1, topk, hidden, inter)
@@ -198,6 +207,20 @@ def test_cuda_graph_replay(fmt):
         assert torch.equal(y.view(torch.int16), eager.view(torch.int16))
         assert calc_diff(y.float(), mc.reference(w, inp)) < TOL[fmt]
     buf.check()
+
+
+@pytest.mark.parametrize('fmt', FORMATS)
+def test_plan_forms_back_to_back(fmt):
+    # one buffer, the plan's form changed between calls (each form resets the counters it used), mid
+    # and small shapes, every form: each call against the reference
+    old = _C.set_mega_moe_ws_plan(0)
+    try:
+        for call, (shape, n, form) in enumerate([(MID, 1, 1), (MID, 1, 2), (SMALL, 2, 1), (SMALL, 2, 2), (MID, 1, 3),
+                                                 (MID, 1, 0), (SMALL, 2, 3), (SMALL, 1, 0), (MID, 1, 2)]):
+            _C.set_mega_moe_ws_plan(form)
+            check(fmt, shape, n, 100 + call, mask_frac=0.2 * (call % 2))
+    finally:
+        _C.set_mega_moe_ws_plan(old)
 
 
 def test_off_by_default_and_where_it_cannot_run():

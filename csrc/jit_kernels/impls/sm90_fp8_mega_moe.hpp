@@ -219,6 +219,20 @@ inline bool select_mega_moe_weights_first(MmaType mma_type, int num_ranks, int n
            mega_moe_ws_ok(mma_type, num_ranks, num_experts, num_tokens, num_topk, hidden, intermediate_hidden, max_smem_bytes);
 }
 
+// The weights-first kernel's plan form (MegaMoEWsPlan: kMegaMoEWsWholeL1 | kMegaMoEWsWholeL2) set at
+// run time (_C.set_mega_moe_ws_plan); -1: the tuning aid DG_MEGA_MOE_WS_PLAN = 0..3 (read once per
+// process), else kMegaMoEWsDefaultPlan
+constexpr int kMegaMoEWsDefaultPlan = 0;
+inline std::atomic<int>& mega_moe_ws_plan_override() {
+    static std::atomic<int> form{-1};
+    return form;
+}
+inline int select_mega_moe_ws_plan() {
+    static const int env_form = read_env_choice("DG_MEGA_MOE_WS_PLAN", {"0", "1", "2", "3"});
+    const int set = mega_moe_ws_plan_override().load(std::memory_order_relaxed);
+    return set >= 0 ? set : env_form >= 0 ? env_form : kMegaMoEWsDefaultPlan;
+}
+
 // Peak HBM bandwidth (GB/s) of the current device, for the heuristic's bandwidth-dependent choices
 // where the caller does not pass it (the Python launcher does, from its cached device info: no driver
 // query per call); 0 (unknown) without a driver or a device, as on a CPU-only machine
@@ -378,6 +392,7 @@ inline SM90MegaMoELaunchPlan make_sm90_mega_moe_plan(const SM90MegaMoEArgs& a, c
     params.num_prefetch_stages = prefetch_override.first >= 0 ? std::min(prefetch_override.first, config.num_stages) : config.num_prefetch_stages;
     params.num_prefetch_stages_l2 = prefetch_override.second >= 0 ? std::min(prefetch_override.second, config.num_stages) : config.num_prefetch_stages_l2;
     params.l1_split_max = variant.cta_pair ? 1 : mega_moe_l1_split_max(a.mma_type);
+    params.ws_plan = 0;   // per call (launch_sm90_mega_moe): the run-time override may change between calls
     // An FP8 x FP4 code block (8 KB, contiguous) is copied as 64 rows of 128 bytes, not as the
     // 128 weight rows of 64 bytes it holds: the same bytes land at the same shared-memory offsets
     // (unswizzled), with half the box rows for the TMA unit to walk per stage (-0.5 to -1.1 % at
@@ -522,6 +537,7 @@ inline MegaMoEConfig launch_sm90_mega_moe(const SM90MegaMoEArgs& a) {
     params.timeout_ns = static_cast<uint64_t>(a.timeout_s * 1e9);
     params.host_status = reinterpret_cast<uint64_t*>(a.host_status);
     params.trace = reinterpret_cast<uint64_t*>(a.trace);
+    params.ws_plan = variant.weights_first ? select_mega_moe_ws_plan() : 0;
     void* args[1 + SM90MegaMoELaunchPlan::kNumMaps] = {&params};
     for (int m = 0; m < plan.num_maps; ++m) args[1 + m] = &plan.maps[m];
     plan.launch_config.stream = reinterpret_cast<CUstream>(a.stream);

@@ -261,23 +261,30 @@ DG_HOST_DEVICE constexpr int mega_moe_ws_stages(MmaType t, int hidden, int inter
 }
 
 // The weights-first kernel's work, the same in every CTA (a function of the call's distinct routed
-// experts, `num_slots`, and the grid): L1 units (slot, 256-row tile, K-block) and L2 units (256-wide
-// column tile of y, slot, K-block), K fastest, each phase cut into chunks of s consecutive units:
-// at least one chunk per CTA (at most kMaxWsChunks) and at least one per tile / column tile, so that
-// a chunk is at most one tile's worth and holds a part of at most two of them (its partial-sum slots)
+// experts, `num_slots`, the grid and the plan's form): L1 units (slot, 256-row tile, K-block) and L2
+// units (256-wide column tile of y, slot, K-block), K fastest, each phase cut into chunks of s
+// consecutive units. Split (the form's bit clear): at least one chunk per CTA (at most
+// kMaxWsChunks) and at least one per tile / column tile, so that a chunk is at most one tile's worth
+// and holds a part of at most two of them (its partial-sum slots). Whole (kMegaMoEWsWholeL1 /
+// kMegaMoEWsWholeL2): a chunk is one L1 tile's whole K / one (column tile, slot)'s whole K, so an L1
+// tile needs no exchange and an L2 chunk owns its pairs' columns of its column tile outright.
+constexpr int kMegaMoEWsWholeL1 = 1;
+constexpr int kMegaMoEWsWholeL2 = 2;
 struct MegaMoEWsPlan {
     int kb1, tiles_per_expert, tiles1, units1, s1, chunks1;   // L1
     int kb2, per_column, columns, units2, s2, chunks2;        // L2: per_column = slots x kb2 units
-    DG_HOST_DEVICE MegaMoEWsPlan(MmaType t, int hidden, int intermediate, int num_slots, int grid) {
+    bool whole1, whole2;
+    DG_HOST_DEVICE MegaMoEWsPlan(MmaType t, int hidden, int intermediate, int num_slots, int grid, int form) {
         const int bk = 128 / activation_bytes(t);
         const int target = min_of(grid, layout::kMaxWsChunks);
+        whole1 = (form & kMegaMoEWsWholeL1) != 0, whole2 = (form & kMegaMoEWsWholeL2) != 0;
         kb1 = hidden / bk, tiles_per_expert = intermediate / 128;
         tiles1 = num_slots * tiles_per_expert, units1 = tiles1 * kb1;
-        s1 = units1 == 0 ? 1 : ceil_div(units1, max_of(target, tiles1));
+        s1 = units1 == 0 or whole1 ? kb1 : ceil_div(units1, max_of(target, tiles1));
         chunks1 = ceil_div(units1, s1);
         kb2 = intermediate / bk, per_column = num_slots * kb2, columns = hidden / kMegaMoEWsTileRows;
         units2 = columns * per_column;
-        s2 = units2 == 0 ? 1 : ceil_div(units2, max_of(target, columns));
+        s2 = units2 == 0 or whole2 ? kb2 : ceil_div(units2, max_of(target, columns));
         chunks2 = ceil_div(units2, s2);
     }
 };
@@ -339,6 +346,8 @@ struct MegaMoEParams {
     // Most K parts per split-K L1 tile (DG_MEGA_MOE_L1_SPLIT, else the heuristic's cap per format;
     // 1 = never split): the kernel picks 1, 2 or 4 per call when every L1 tile is narrow (docs/KERNEL.md)
     int l1_split_max;
+    // The weights-first kernel's plan form (MegaMoEWsPlan: kMegaMoEWsWholeL1 | kMegaMoEWsWholeL2)
+    int ws_plan;
 };
 
 // Split-K L1 of a decode call whose L1 tiles are all narrow (build_layout; docs/KERNEL.md): each of

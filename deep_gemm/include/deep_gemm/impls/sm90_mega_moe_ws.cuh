@@ -9,21 +9,25 @@
 //            distinct experts in ascending id ("slots" j), and per pair c = token x top-k + k its
 //            slot, token and weight. No count, no pull: the tokens' rows are read from the inputs.
 //   units    L1: (slot j, 256-row gate/up tile, K-block), K fastest; L2: (256-wide column tile of y,
-//            slot j, K-block), K fastest. Each phase's units are cut into equal chunks of consecutive
-//            units (at most one tile's worth, about one chunk per CTA: MegaMoEWsPlan); claimed from
-//            one queue, every L1 chunk before any L2 chunk, so a CTA that waits (L2 on L1) waits for
-//            work some running CTA holds: the kernel completes with part of its grid resident.
+//            slot j, K-block), K fastest. Each phase's units are cut into chunks of consecutive units
+//            (MegaMoEWsPlan: split, about one chunk per CTA and at most one tile's worth, or whole,
+//            one tile's / one (column tile, slot)'s whole K); claimed from one queue, every L1 chunk
+//            before any L2 chunk, so a CTA that waits (L2 on L1) waits for work some running CTA
+//            holds: the kernel completes with part of its grid resident.
 //   L1       the tile's weights are the wgmma M side (4 x 64 rows), the tokens its N = 8 (rows 0..7 of
-//            x: columns of tokens >= n hold garbage no pair reads). A chunk's partial sums of a tile
-//            go to the workspace; the chunk that counts a tile's last part sums the parts in part
-//            order (bitwise repeatable) and runs the epilogue: SwiGLU (+clamp) x the pair's top-k
-//            weight, FP8 per-128 quantization (the persistent kernel's arithmetic), into row c of the
-//            L2 pool for each pair c of the tile's expert; then one count of L1 tiles done.
-//   L2       after every L1 tile (one counter): the pairs' rows as the N = 8 side (column c = pair
-//            c), each unit's product added into column c only where pair c belongs to the unit's
-//            expert; per column tile the chunks' partial sums are summed in part order by its last
-//            part, which writes y's columns: per token its pairs' rows, each rounded to BF16, summed in
-//            pair (top-k slot) order, as the persistent kernel's combine.
+//            x: columns of tokens >= n hold garbage no pair reads). Split: a chunk's partial sums of
+//            a tile go to the workspace; the chunk that counts a tile's last part sums the parts in
+//            part order (bitwise repeatable). The tile's last (or only) chunk runs the epilogue:
+//            SwiGLU (+clamp) x the pair's top-k weight, FP8 per-128 quantization (the persistent
+//            kernel's arithmetic), into row c of the L2 pool for each pair c of the tile's expert;
+//            then one count of the slot's L1 tiles done.
+//   L2       an L2 unit of slot j waits for slot j's L1 tiles (a counter per slot), then loads the
+//            pairs' rows as the N = 8 side (column c = pair c); each unit's product is added into
+//            column c only where pair c belongs to the unit's slot. Per column tile: split chunks'
+//            partial sums are summed in part order by its last part; whole chunks each own their
+//            pairs' columns, which the last of them reads back. That last one writes y's columns:
+//            per token its pairs' rows, each rounded to BF16, summed in pair (top-k slot) order, as
+//            the persistent kernel's combine.
 //
 // Roles: warps 0-3 the math warpgroup, warp 4 the producer (one lane: the queue and the TMA loads).
 
@@ -110,6 +114,7 @@ struct WsKernel {
         if (p.trace != nullptr) p.trace[static_cast<int64_t>(blockIdx.x) * kTraceSlots + slot] = globaltimer_ns();
     }
     __device__ uint32_t* counts() const { return mine<uint32_t>(lay.ws_count); }
+    __device__ uint32_t* slot_done(int j) const { return counts() + L::kWsCountSlotDone + L::kWsCountLineWords * j; }
     __device__ bool aborted() const {
         return *reinterpret_cast<volatile int*>(&sh->ctrl.abort) or ld_volatile(mine<uint64_t>(lay.status) + L::kStatusAbort) != 0;
     }
@@ -314,6 +319,36 @@ struct WsKernel {
         return true;
     }
 
+    // A whole L2 chunk (column tile ct, slot j: every K-block) owns the columns of slot j's pairs: it
+    // writes those (scalars: a float4 of the exchange rows spans two columns, maybe two chunks') into
+    // the column tile's slot, counts; the last of the column tile's num_slots chunks reads every
+    // column back (one round trip) into `acc`. Columns of no pair are never written (nor read after).
+    __device__ bool exchange_columns(int ct, int j, uint32_t* count, const Thread& th, float (&acc)[4][4]) {
+        const int num_slots = sh->num_slots;
+        if (num_slots == 1) return true;
+        float* part = mine<float>(lay.split_partials) + static_cast<int64_t>(2 * L::kMaxWsChunks + ct) * L::kSplitPartialFloats + th.tid * 16;
+        const bool m0 = sh->pair_slot[th.c0] == j, m1 = sh->pair_slot[th.c0 + 1] == j;
+        #pragma unroll
+        for (int q = 0; q < 4; ++q)
+            #pragma unroll
+            for (int i = 0; i < 4; ++i)
+                if ((i & 1) ? m1 : m0) __stcg(part + 4 * q + i, acc[q][i]);
+        named_barrier(kWsBarrierMath, kWsMathThreads);
+        if (th.tid == 0) {
+            const bool last = atom_acq_rel_gpu_add(count, 1) == static_cast<uint32_t>(num_slots - 1);
+            if (last) *count = 0;   // for the next call
+            *reinterpret_cast<volatile int*>(&sh->split_last) = last;
+        }
+        named_barrier(kWsBarrierMath, kWsMathThreads);
+        if (not ld_volatile_shared_s32(smem_addr(&sh->split_last))) return false;
+        float4 v[4];
+        #pragma unroll
+        for (int q = 0; q < 4; ++q) v[q] = __ldcg(reinterpret_cast<const float4*>(part) + q);
+        #pragma unroll
+        for (int q = 0; q < 4; ++q) acc[q][0] = v[q].x, acc[q][1] = v[q].y, acc[q][2] = v[q].z, acc[q][3] = v[q].w;
+        return true;
+    }
+
     // L1 epilogue of tile `tile` (slot j's 256-row tile tl): SwiGLU (+clamp) per (row, token), then
     // for each pair c of slot j its token's 128 values x the pair's weight into row c of the L2 pool
     // (FP8: quantized per the block's amax, the persistent kernel's arithmetic), one count after
@@ -356,7 +391,7 @@ struct WsKernel {
         // The rows are read by TMA (async proxy) in other CTAs after the count's release
         fence_proxy_async_global();
         named_barrier(kWsBarrierMath, kWsMathThreads);
-        if (th.tid == 0) red_release_gpu_add(counts() + L::kWsCountL1Done, 1);
+        if (th.tid == 0) red_release_gpu_add(slot_done(j), 1);
     }
 
     // Column tile ct of y from the pairs' sums: per token, its pairs' columns added in pair order
@@ -385,14 +420,17 @@ struct WsKernel {
         named_barrier(kWsBarrierMath, kWsMathThreads);   // xchg is free again
     }
 
-    // Before the first L2 unit: every L1 tile done (bounded), then the pairs' rows (TMA, every
-    // K-block) and, FP8, their scales
-    __device__ bool wait_l1_and_load_h(const CUtensorMap* tm_h, const MegaMoEWsPlan& plan, const Thread& th) {
+    // Before an L2 unit of slot j when the pairs' rows in shared memory are not yet slot j's: slot j's
+    // L1 tiles done (bounded), then the pairs' rows (TMA, every K-block; rows of other slots' pairs
+    // may be mid-write: their columns are never selected) and, FP8, their scales. `reload`: the
+    // rows were loaded before, for another slot (every warp's wgmma on them must be done first).
+    __device__ bool wait_l1_and_load_h(const CUtensorMap* tm_h, const MegaMoEWsPlan& plan, int j, uint32_t h_phase, const Thread& th) {
+        if (h_phase > 0) named_barrier(kWsBarrierMath, kWsMathThreads);
         if (th.tid == 0) {
-            const uint32_t* done = counts() + L::kWsCountL1Done;
+            const uint32_t* done = slot_done(j);
             const uint64_t start = globaltimer_ns();
             bool ok = true;
-            for (uint32_t n = 1; ld_acquire_gpu(done) < static_cast<uint32_t>(plan.tiles1); ++n) {
+            for (uint32_t n = 1; ld_acquire_gpu(done) < static_cast<uint32_t>(plan.tiles_per_expert); ++n) {
                 if ((n & kWsPollMask) == 0) {
                     if (aborted()) { ok = false; break; }
                     if (globaltimer_ns() - start > p.timeout_ns) {
@@ -420,7 +458,7 @@ struct WsKernel {
                 h_sf[i] = __ldcg(src + static_cast<int64_t>(i / kWsMaxPairs) * lay.num_pool_rows + i % kWsMaxPairs);
         }
         named_barrier(kWsBarrierMath, kWsMathThreads);
-        const bool loaded = wait_bar(h_bar, 0);
+        const bool loaded = wait_bar(h_bar, h_phase & 1);
         if (th.tid == 0) trace(kWsTraceHLoaded);
         return loaded;
     }
@@ -428,7 +466,8 @@ struct WsKernel {
     __device__ void math(const CUtensorMap* tm_h, const MegaMoEWsPlan& plan) {
         const Thread th(static_cast<int>(threadIdx.x));
         float acc[4][4];
-        bool h_ready = false;
+        int h_slot = -1;        // whose pairs' rows h_tile holds
+        uint32_t h_phase = 0;   // loads of h_tile so far
         for (uint32_t it = 0;; ++it) {
             const int s = static_cast<int>(it % kNumStages);
             if (not wait_bar(full + s, (it / kNumStages) & 1)) return;
@@ -467,11 +506,11 @@ struct WsKernel {
                     if (th.tid == 0) trace(kWsTraceL1Epilogue);
                 }
             } else {
-                if (not h_ready) {
-                    if (not wait_l1_and_load_h(tm_h, plan, th)) return;
-                    h_ready = true;
-                }
                 const int kb = u % plan.kb2, r = u / plan.kb2, j = r % sh->num_slots, ct = r / sh->num_slots;
+                if (h_slot != j) {
+                    if (not wait_l1_and_load_h(tm_h, plan, j, h_phase++, th)) return;
+                    h_slot = j;
+                }
                 if (u % plan.per_column == 0 or u % plan.s2 == 0) {
                     #pragma unroll
                     for (int q = 0; q < 4; ++q)
@@ -496,7 +535,9 @@ struct WsKernel {
                     }
                 }
                 const bool last = (u + 1) % plan.per_column == 0 or (u + 1) % plan.s2 == 0 or u + 1 == plan.units2;
-                if (last and exchange(ct, plan.per_column, plan.s2, u / plan.s2, 2 * L::kMaxWsChunks, counts() + L::kWsCountColumns + ct, th, acc)) {
+                uint32_t* count = counts() + L::kWsCountColumns + ct;
+                if (last and (plan.whole2 ? exchange_columns(ct, j, count, th, acc)
+                                          : exchange(ct, plan.per_column, plan.s2, u / plan.s2, 2 * L::kMaxWsChunks, count, th, acc))) {
                     y_epilogue(ct, th, acc);
                     if (th.tid == 0) trace(kWsTraceYWritten);
                 }
@@ -537,7 +578,7 @@ struct WsKernel {
         }
         __syncthreads();
         if (threadIdx.x == 128) trace(kWsTraceRouting);
-        const MegaMoEWsPlan plan(lay.mma_type, lay.hidden, lay.intermediate_hidden, sh->num_slots, static_cast<int>(gridDim.x));
+        const MegaMoEWsPlan plan(lay.mma_type, lay.hidden, lay.intermediate_hidden, sh->num_slots, static_cast<int>(gridDim.x), p.ws_plan);
         if (warp == 4) {
             if (lane_idx() == 0) {
                 if (ticket == 0) {   // one CTA: the statistics and the bad-id flag
@@ -561,7 +602,7 @@ struct WsKernel {
             __threadfence();
             const uint32_t exited = atom_acq_rel_gpu_add(counts() + L::kWsCountExited, 1);
             if (exited == gridDim.x - 1 and ld_volatile(mine<uint64_t>(lay.status) + L::kStatusAbort) == 0) {
-                counts()[L::kWsCountL1Done] = 0;
+                for (int j = 0; j < sh->num_slots; ++j) *slot_done(j) = 0;
                 counts()[L::kWsCountQueue] = 0;
                 counts()[L::kWsCountExited] = 0;
                 control[L::kControlEpoch] = epoch;

@@ -43,17 +43,21 @@ constexpr int kMaxSplitTiles = 128;
 constexpr int kMaxSplitParts = 576;
 constexpr int kSplitPartialFloats = 256 * 8;
 // The weights-first kernel (impls/sm90_mega_moe_ws.cuh): each phase (L1, L2) runs in at most
-// kMaxWsChunks chunks of units, each chunk at most two partial sums in split_partials (L1 in slots
-// [0, 2 kMaxWsChunks), L2 after them); its counters, in the ws_count section: one per L1 tile, one per
-// 256-wide column tile of y, the L1 tiles done, the chunk queue and the CTAs that left
+// kMaxWsChunks chunks of units; split chunks keep at most two partial sums each in split_partials
+// (L1 in slots [0, 2 kMaxWsChunks), L2 after them), whole L2 chunks their columns in one slot per
+// column tile of y (L2's first kMaxWsChunks slots). Its counters, in the ws_count section: one per L1
+// tile, one per 256-wide column tile of y, and on lines of their own (polled or claimed by every
+// CTA) the chunk queue, the CTAs that left and per routed expert (slot) its L1 tiles done
 constexpr int kMaxWsChunks = 144;
+constexpr int kWsCountLineWords = 32;
 constexpr int kWsCountL1Tiles = 0;
 constexpr int kWsCountColumns = kWsCountL1Tiles + kMaxSplitTiles;
-constexpr int kWsCountL1Done = kWsCountColumns + kMaxWsChunks;
-constexpr int kWsCountQueue = kWsCountL1Done + 1;
-constexpr int kWsCountExited = kWsCountQueue + 1;
-constexpr int kWsCountWords = 512;
-static_assert(kWsCountExited < kWsCountWords and 4 * kMaxWsChunks <= kMaxSplitParts, "the weights-first kernel's workspace");
+constexpr int kWsCountQueue = (kWsCountColumns + kMaxWsChunks + kWsCountLineWords - 1) / kWsCountLineWords * kWsCountLineWords;
+constexpr int kWsCountExited = kWsCountQueue + kWsCountLineWords;
+constexpr int kWsCountSlotDone = kWsCountExited + kWsCountLineWords;   // + kWsCountLineWords x slot
+constexpr int kWsCountWords = 1024;
+static_assert(kWsCountSlotDone + 8 * kWsCountLineWords <= kWsCountWords and 4 * kMaxWsChunks <= kMaxSplitParts,
+              "the weights-first kernel's workspace (8: kMegaMoEWsMaxPairs slots)");
 
 // Control word slots (uint32, local to a rank)
 constexpr int kControlEpoch = 0;          // number of calls completed on this buffer
