@@ -1,6 +1,6 @@
 """The weights-first kernel (impls/sm90_mega_moe_ws.cuh) on the GPU: one-rank calls of at most 8
 routed pairs, FP8 x FP8 and BF16, forced on with `_C.set_mega_moe_weights_first(1)`, in the split
-(0) and whole (3) plan forms (`_C.set_mega_moe_ws_plan`; 1 and 2, one phase whole, in
+(0) and whole, L2-after-L1 (7) plan forms (`_C.set_mega_moe_ws_plan`; the others in
 test_plan_forms_back_to_back).
 
 Every case: fresh random inputs, y poisoned with NaN, every row against the emulating reference with
@@ -40,7 +40,7 @@ def weights_first():
     _C.set_mega_moe_weights_first(old)
 
 
-@pytest.fixture(params=[0, 3], ids=lambda f: f'form{f}')
+@pytest.fixture(params=[0, 7], ids=lambda f: f'form{f}')
 def form(request):
     old = _C.set_mega_moe_ws_plan(request.param)
     yield request.param
@@ -216,7 +216,8 @@ def test_plan_forms_back_to_back(fmt):
     old = _C.set_mega_moe_ws_plan(0)
     try:
         for call, (shape, n, form) in enumerate([(MID, 1, 1), (MID, 1, 2), (SMALL, 2, 1), (SMALL, 2, 2), (MID, 1, 3),
-                                                 (MID, 1, 0), (SMALL, 2, 3), (SMALL, 1, 0), (MID, 1, 2)]):
+                                                 (MID, 1, 4), (SMALL, 2, 5), (MID, 1, 6), (MID, 1, 0), (SMALL, 2, 3),
+                                                 (SMALL, 1, 4), (MID, 1, 5), (SMALL, 2, 6), (SMALL, 1, 0), (MID, 1, 2)]):
             _C.set_mega_moe_ws_plan(form)
             check(fmt, shape, n, 100 + call, mask_frac=0.2 * (call % 2))
     finally:

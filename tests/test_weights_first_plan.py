@@ -64,12 +64,12 @@ def test_no_routed_expert_has_no_units():
 @pytest.mark.parametrize('fmt', ['fp8xfp8', 'bf16xbf16'])
 @pytest.mark.parametrize('shape', SHAPES)
 @pytest.mark.parametrize('slots', [1, 2, 5, 8])
-@pytest.mark.parametrize('form', [1, 2, 3])
+@pytest.mark.parametrize('form', [1, 2, 3, 4, 7])
 def test_whole_forms(fmt, shape, slots, form):
     hidden, inter = shape
     split = _C.get_mega_moe_ws_plan(mma_type_to_int(fmt), hidden, inter, slots, 132, 0)
     p = _C.get_mega_moe_ws_plan(mma_type_to_int(fmt), hidden, inter, slots, 132, form)
-    assert p['whole1'] == bool(form & 1) and p['whole2'] == bool(form & 2)
+    assert p['whole1'] == bool(form & 1) and p['whole2'] == bool(form & 2) and p['l2_after_l1'] == bool(form & 4)
     for key in ('kb1', 'tiles1', 'units1', 'kb2', 'per_column', 'columns', 'units2'):
         assert p[key] == split[key], key
     if form & 1:   # one chunk per L1 tile, in tile order
@@ -87,8 +87,8 @@ def test_whole_forms(fmt, shape, slots, form):
 
 
 def test_form_out_of_range_is_refused():
-    for form in (-1, 4):
+    for form in (-1, 8):
         with pytest.raises(ValueError, match='form'):
             _C.get_mega_moe_ws_plan(mma_type_to_int('fp8xfp8'), 2048, 768, 8, 132, form)
     with pytest.raises(ValueError, match='DG_MEGA_MOE_WS_PLAN'):
-        _C.set_mega_moe_ws_plan(4)
+        _C.set_mega_moe_ws_plan(8)

@@ -150,28 +150,32 @@ inline void register_apis(py::module_& m) {
 
     m.def("get_mega_moe_ws_plan",
           [](int mma_type, int hidden, int intermediate_hidden, int num_slots, int grid, int form) {
-              if (form < 0 or form > 3) throw std::invalid_argument("get_mega_moe_ws_plan: form in 0..3 (kMegaMoEWsWholeL1 | kMegaMoEWsWholeL2)");
+              if (form < 0 or form >= kMegaMoEWsPlanForms)
+                  throw std::invalid_argument("get_mega_moe_ws_plan: form in 0..7 (whole L1 1 | whole L2 2 | L2 after L1 4)");
               const MegaMoEWsPlan plan(mega_moe_mma_type(mma_type), hidden, intermediate_hidden, num_slots, grid, form);
               py::dict d;
               d["kb1"] = plan.kb1, d["tiles1"] = plan.tiles1, d["units1"] = plan.units1, d["s1"] = plan.s1, d["chunks1"] = plan.chunks1;
               d["kb2"] = plan.kb2, d["per_column"] = plan.per_column, d["columns"] = plan.columns, d["units2"] = plan.units2;
               d["s2"] = plan.s2, d["chunks2"] = plan.chunks2, d["whole1"] = plan.whole1, d["whole2"] = plan.whole2;
+              d["l2_after_l1"] = plan.l2_after_l1;
               return d;
           },
           py::arg("mma_type"), py::arg("hidden"), py::arg("intermediate_hidden"), py::arg("num_slots"), py::arg("grid"),
           py::arg("form") = 0,
           "The weights-first kernel's plan (MegaMoEWsPlan) for a call with `num_slots` distinct routed experts on\n"
-          "`grid` CTAs in plan form `form` (1: whole L1 tiles, 2: whole L2 chunks, 3: both): units, chunk length\n"
+          "`grid` CTAs in plan form `form` (bits: 1 whole L1 tiles, 2 whole L2 chunks, 4 L2 weights requested after\n"
+          "every L1 weight): units, chunk length\n"
           "and chunks per phase. Works without a GPU.");
 
     m.def("set_mega_moe_ws_plan",
           [](int form) {
-              if (form < -1 or form > 3)
-                  throw std::invalid_argument("set_mega_moe_ws_plan: expected -1 (the environment's DG_MEGA_MOE_WS_PLAN), or a form 0..3");
+              if (form < -1 or form >= kMegaMoEWsPlanForms)
+                  throw std::invalid_argument("set_mega_moe_ws_plan: expected -1 (the environment's DG_MEGA_MOE_WS_PLAN), or a form 0..7");
               return jit_kernels::mega_moe_ws_plan_override().exchange(form);
           },
           py::arg("form"),
-          "The weights-first kernel's plan form for the next calls: 0 split, 1 whole L1 tiles, 2 whole L2 chunks, 3 both;\n"
+          "The weights-first kernel's plan form for the next calls, bits: 1 whole L1 tiles, 2 whole L2 chunks, 4 L2 weights\n"
+          "requested after every L1 weight (0: split, all at once);\n"
           "-1 (the start) follows DG_MEGA_MOE_WS_PLAN, else the default. Returns the previous setting. A tuning aid\n"
           "for tests and benchmarks (docs/KERNEL.md).");
 

@@ -219,16 +219,16 @@ inline bool select_mega_moe_weights_first(MmaType mma_type, int num_ranks, int n
            mega_moe_ws_ok(mma_type, num_ranks, num_experts, num_tokens, num_topk, hidden, intermediate_hidden, max_smem_bytes);
 }
 
-// The weights-first kernel's plan form (MegaMoEWsPlan: kMegaMoEWsWholeL1 | kMegaMoEWsWholeL2) set at
-// run time (_C.set_mega_moe_ws_plan); -1: the tuning aid DG_MEGA_MOE_WS_PLAN = 0..3 (read once per
-// process), else kMegaMoEWsDefaultPlan
+// The weights-first kernel's plan form (MegaMoEWsPlan: kMegaMoEWsWholeL1 | kMegaMoEWsWholeL2 |
+// kMegaMoEWsL2AfterL1) set at run time (_C.set_mega_moe_ws_plan); -1: the tuning aid
+// DG_MEGA_MOE_WS_PLAN = 0..7 (read once per process), else kMegaMoEWsDefaultPlan
 constexpr int kMegaMoEWsDefaultPlan = 0;
 inline std::atomic<int>& mega_moe_ws_plan_override() {
     static std::atomic<int> form{-1};
     return form;
 }
 inline int select_mega_moe_ws_plan() {
-    static const int env_form = read_env_choice("DG_MEGA_MOE_WS_PLAN", {"0", "1", "2", "3"});
+    static const int env_form = read_env_choice("DG_MEGA_MOE_WS_PLAN", {"0", "1", "2", "3", "4", "5", "6", "7"});
     const int set = mega_moe_ws_plan_override().load(std::memory_order_relaxed);
     return set >= 0 ? set : env_form >= 0 ? env_form : kMegaMoEWsDefaultPlan;
 }

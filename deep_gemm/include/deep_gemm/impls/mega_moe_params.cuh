@@ -268,16 +268,20 @@ DG_HOST_DEVICE constexpr int mega_moe_ws_stages(MmaType t, int hidden, int inter
 // and holds a part of at most two of them (its partial-sum slots). Whole (kMegaMoEWsWholeL1 /
 // kMegaMoEWsWholeL2): a chunk is one L1 tile's whole K / one (column tile, slot)'s whole K, so an L1
 // tile needs no exchange and an L2 chunk owns its pairs' columns of its column tile outright.
+// kMegaMoEWsL2AfterL1: no L2 weight load is issued before every L1 one is (HBM serves the L1 bytes,
+// on the critical path, first; the L2 bytes stream while L1's epilogues run).
 constexpr int kMegaMoEWsWholeL1 = 1;
 constexpr int kMegaMoEWsWholeL2 = 2;
+constexpr int kMegaMoEWsL2AfterL1 = 4;
+constexpr int kMegaMoEWsPlanForms = 8;
 struct MegaMoEWsPlan {
     int kb1, tiles_per_expert, tiles1, units1, s1, chunks1;   // L1
     int kb2, per_column, columns, units2, s2, chunks2;        // L2: per_column = slots x kb2 units
-    bool whole1, whole2;
+    bool whole1, whole2, l2_after_l1;
     DG_HOST_DEVICE MegaMoEWsPlan(MmaType t, int hidden, int intermediate, int num_slots, int grid, int form) {
         const int bk = 128 / activation_bytes(t);
         const int target = min_of(grid, layout::kMaxWsChunks);
-        whole1 = (form & kMegaMoEWsWholeL1) != 0, whole2 = (form & kMegaMoEWsWholeL2) != 0;
+        whole1 = (form & kMegaMoEWsWholeL1) != 0, whole2 = (form & kMegaMoEWsWholeL2) != 0, l2_after_l1 = (form & kMegaMoEWsL2AfterL1) != 0;
         kb1 = hidden / bk, tiles_per_expert = intermediate / 128;
         tiles1 = num_slots * tiles_per_expert, units1 = tiles1 * kb1;
         s1 = units1 == 0 or whole1 ? kb1 : ceil_div(units1, max_of(target, tiles1));

@@ -178,6 +178,23 @@ struct WsKernel {
         }
     }
 
+    // Before a CTA's first L2 weight load under kMegaMoEWsL2AfterL1: every L1 chunk's loads issued
+    // (bounded; the chunks are held by running CTAs, whose producers never wait on L2)
+    __device__ bool wait_l1_issued(const MegaMoEWsPlan& plan) {
+        const uint32_t* issued = counts() + L::kWsCountL1Issued;
+        const uint64_t start = globaltimer_ns();
+        for (uint32_t n = 1; ld_acquire_gpu(issued) < static_cast<uint32_t>(plan.chunks1); ++n) {
+            if ((n & kWsPollMask) == 0) {
+                if (aborted()) return false;
+                if (globaltimer_ns() - start > p.timeout_ns) {
+                    report(p, StatusCode::kTimeout, Phase::kL2Wait, p.rank, n, true, &sh->ctrl);
+                    return false;
+                }
+            }
+        }
+        return true;
+    }
+
     // ------------------------------------------------------------------------------------------
     // Producer (one lane of warp 4): claim chunks, stream their units through the stages. The
     // weight tile of a unit (and for L1 x's K-block, for FP8 the tile's two block scales) lands on
@@ -188,11 +205,16 @@ struct WsKernel {
         const int total = plan.chunks1 + plan.chunks2;
         const int rows1 = 2 * lay.intermediate_hidden;
         uint32_t it = 0;
+        bool l2_cleared = not plan.l2_after_l1;
         while (ticket < total) {
             const bool l2 = ticket >= plan.chunks1;
             const int k = l2 ? ticket - plan.chunks1 : ticket;
             const int s_units = l2 ? plan.s2 : plan.s1;
             const int u_end = min_of(l2 ? plan.units2 : plan.units1, (k + 1) * s_units);
+            if (l2 and not l2_cleared) {
+                if (not wait_l1_issued(plan)) return;
+                l2_cleared = true;
+            }
             for (int u = k * s_units; u < u_end; ++u, ++it) {
                 const int s = static_cast<int>(it % kNumStages);
                 if (not wait_bar(empty + s, ((it / kNumStages) & 1) ^ 1)) return;
@@ -225,6 +247,7 @@ struct WsKernel {
                 if (not l2) tma_load_2d(acts + s * kWsActBytes, tm_x, full + s, kb * BLOCK_K, 0);
                 if (it == 0) trace(kWsTraceFirstIssue);
             }
+            if (not l2 and plan.l2_after_l1) red_release_gpu_add(counts() + L::kWsCountL1Issued, 1);
             // The next claim waits for a free stage: by then every resident CTA has drawn its first
             // ticket, so the first wave of chunks goes one to a CTA
             const int s = static_cast<int>(it % kNumStages);
@@ -604,6 +627,7 @@ struct WsKernel {
             if (exited == gridDim.x - 1 and ld_volatile(mine<uint64_t>(lay.status) + L::kStatusAbort) == 0) {
                 for (int j = 0; j < sh->num_slots; ++j) *slot_done(j) = 0;
                 counts()[L::kWsCountQueue] = 0;
+                counts()[L::kWsCountL1Issued] = 0;
                 counts()[L::kWsCountExited] = 0;
                 control[L::kControlEpoch] = epoch;
             }

@@ -47,14 +47,16 @@ constexpr int kSplitPartialFloats = 256 * 8;
 // (L1 in slots [0, 2 kMaxWsChunks), L2 after them), whole L2 chunks their columns in one slot per
 // column tile of y (L2's first kMaxWsChunks slots). Its counters, in the ws_count section: one per L1
 // tile, one per 256-wide column tile of y, and on lines of their own (polled or claimed by every
-// CTA) the chunk queue, the CTAs that left and per routed expert (slot) its L1 tiles done
+// CTA) the chunk queue, the CTAs that left, the L1 chunks fully issued and per routed expert (slot)
+// its L1 tiles done
 constexpr int kMaxWsChunks = 144;
 constexpr int kWsCountLineWords = 32;
 constexpr int kWsCountL1Tiles = 0;
 constexpr int kWsCountColumns = kWsCountL1Tiles + kMaxSplitTiles;
 constexpr int kWsCountQueue = (kWsCountColumns + kMaxWsChunks + kWsCountLineWords - 1) / kWsCountLineWords * kWsCountLineWords;
 constexpr int kWsCountExited = kWsCountQueue + kWsCountLineWords;
-constexpr int kWsCountSlotDone = kWsCountExited + kWsCountLineWords;   // + kWsCountLineWords x slot
+constexpr int kWsCountL1Issued = kWsCountExited + kWsCountLineWords;   // L1 chunks whose every load is issued
+constexpr int kWsCountSlotDone = kWsCountL1Issued + kWsCountLineWords;  // + kWsCountLineWords x slot
 constexpr int kWsCountWords = 1024;
 static_assert(kWsCountSlotDone + 8 * kWsCountLineWords <= kWsCountWords and 4 * kMaxWsChunks <= kMaxSplitParts,
               "the weights-first kernel's workspace (8: kMegaMoEWsMaxPairs slots)");
