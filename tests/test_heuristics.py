@@ -357,8 +357,9 @@ _CASES = [_V4_FLASH_N1, _MID_N1, _MID_N4096, _ODD_H_N1, _V4_FP4_N1, _V4_BF16_N1,
 
 
 def _launched_variants(override, cases=_CASES):
+    # the persistent kernel's variants: its one-token EP1 cases would otherwise run weights-first
     return json.loads(_run_script(_CALLS_SCRIPT, 'DG_MEGA_MOE_L2_BLOCK_N', override, 'get_mega_moe_kernel_variant',
-                                  json.dumps(cases)))
+                                  json.dumps(cases), extra_env={'DG_MEGA_MOE_WEIGHTS_FIRST': '0'}))
 
 
 @pytest.mark.parametrize('override, widths', [

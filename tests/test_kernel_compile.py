@@ -438,12 +438,14 @@ for fmt in (0, 1, 2):
                 out.append([fmt, ranks, e, k, h, i, n, v['weights_first'], v['name'], v['num_stages']])
 print(json.dumps(out))
 '''
-    for setting in ('1', '0'):
+    for setting in ('1', '0', None):   # None: unset, the default (on)
+        env = {key: v for key, v in os.environ.items() if key != 'DG_MEGA_MOE_WEIGHTS_FIRST'}
+        if setting is not None:
+            env['DG_MEGA_MOE_WEIGHTS_FIRST'] = setting
         out = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, check=True, cwd=ROOT,
-                             env=dict(os.environ, DG_MEGA_MOE_WEIGHTS_FIRST=setting,
-                                      PYTHONPATH=ROOT + os.pathsep + os.environ.get('PYTHONPATH', '')))
+                             env=dict(env, PYTHONPATH=ROOT + os.pathsep + os.environ.get('PYTHONPATH', '')))
         for fmt, ranks, e, k, h, i, n, ws, name, stages in json.loads(out.stdout):
-            expected = (setting == '1' and fmt in (1, 2) and ranks == 1 and 1 <= n and n * k <= 8 and h % 256 == 0)
+            expected = (setting != '0' and fmt in (1, 2) and ranks == 1 and 1 <= n and n * k <= 8 and h % 256 == 0)
             assert ws == expected, (setting, fmt, ranks, e, k, h, i, n)
             assert name.startswith('sm90_mega_moe_ws_') == ws
             if ws:   # the most stages whose shared memory fits an H200's 227 KB

@@ -224,7 +224,11 @@ def test_plan_forms_back_to_back(fmt):
         _C.set_mega_moe_ws_plan(old)
 
 
-def test_off_by_default_and_where_it_cannot_run():
+def test_off_when_asked_and_where_it_cannot_run():
+    _C.set_mega_moe_weights_first(-1)   # the environment's choice, else the default: on
+    import os
+    if os.environ.get('DG_MEGA_MOE_WEIGHTS_FIRST') != '0':
+        assert _C.get_mega_moe_kernel_variant(1, 1, 128, 8, 2048, 768, 1, 132)['weights_first']
     _C.set_mega_moe_weights_first(0)
     assert not _C.get_mega_moe_kernel_variant(1, 1, 128, 8, 2048, 768, 1, 132)['weights_first']
     _C.set_mega_moe_weights_first(1)

@@ -208,21 +208,24 @@ inline std::atomic<int>& mega_moe_weights_first_override() {
     return choice;
 }
 
-// Whether a call runs the weights-first kernel: where it can (mega_moe_ws_ok) and it is asked for,
-// by the run-time override or else the tuning aid DG_MEGA_MOE_WEIGHTS_FIRST = 1 (read once per
-// process); the default is off until it is measured against the persistent kernel (docs/PERF.md)
+// Whether a call runs the weights-first kernel: where it can (mega_moe_ws_ok), unless turned off by
+// the run-time override or else DG_MEGA_MOE_WEIGHTS_FIRST = 0 (read once per process). On by default:
+// faster than the persistent kernel at n = 1 on every shape timed (H100: mid FP8 -11.7 %, BF16 -3.9 %,
+// v4-flash FP8 -9.2 %, DeepSeek-V3 FP8 -1.1 %; docs/PERF.md session 51)
 inline bool select_mega_moe_weights_first(MmaType mma_type, int num_ranks, int num_experts, int num_tokens, int num_topk, int hidden,
                                           int intermediate_hidden, int max_smem_bytes) {
     static const int env_choice = read_env_choice("DG_MEGA_MOE_WEIGHTS_FIRST", {"0", "1"});
     const int set = mega_moe_weights_first_override().load(std::memory_order_relaxed);
-    return (set >= 0 ? set : env_choice) == 1 and
+    return (set >= 0 ? set : env_choice >= 0 ? env_choice : 1) == 1 and
            mega_moe_ws_ok(mma_type, num_ranks, num_experts, num_tokens, num_topk, hidden, intermediate_hidden, max_smem_bytes);
 }
 
 // The weights-first kernel's plan form (MegaMoEWsPlan: kMegaMoEWsWholeL1 | kMegaMoEWsWholeL2 |
 // kMegaMoEWsL2AfterL1) set at run time (_C.set_mega_moe_ws_plan); -1: the tuning aid
 // DG_MEGA_MOE_WS_PLAN = 0..7 (read once per process), else kMegaMoEWsDefaultPlan
-constexpr int kMegaMoEWsDefaultPlan = 0;
+// The default: whole L1 tiles, whole L2 chunks, L2 weights after L1's (form 7: fastest of the eight at
+// n = 1 of mid, v4-flash and DeepSeek-V3 shapes on an H100, docs/PERF.md session 51)
+constexpr int kMegaMoEWsDefaultPlan = kMegaMoEWsWholeL1 | kMegaMoEWsWholeL2 | kMegaMoEWsL2AfterL1;
 inline std::atomic<int>& mega_moe_ws_plan_override() {
     static std::atomic<int> form{-1};
     return form;
