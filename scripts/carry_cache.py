@@ -44,6 +44,7 @@ req = json.loads(sys.argv[1])
 before = _C.get_num_nvcc_invocations()
 dirs = []
 keys = [tuple(k) for k in req['keys']]
+_C.set_mega_moe_weights_first(0)   # the persistent kernels of the cases (the weights-first ones below)
 for fmt, h, i, e, k, n in req['cases']:
     for sms, smem, gbps in req['gpus']:
         keys.append(kernel_variant(fmt, 1, e, k, h, i, n, sms, smem, True, hbm_gbps=gbps))
@@ -55,8 +56,8 @@ if req['helpers'] and os.path.isfile(os.path.join('tests', 'test_faults_gpu.py')
     sys.path.insert(0, 'tests')
     import test_faults_gpu
     dirs += [test_faults_gpu.compile_helper(name) for name in test_faults_gpu.HELPER_KERNELS]
-# The weights-first kernels tests/test_weights_first_gpu.py launches (FP8 x FP8 / BF16, 5 or 6 stages;
-# a tuning aid's, so not among the prebuilt variants)
+# The weights-first kernels (on by default for one-token EP1 calls; tests/test_weights_first_gpu.py: FP8 x FP8 / BF16, 5 or 6 stages;
+# not among prebuild_kernels.py's persistent variants)
 if req['helpers'] and hasattr(_C, 'get_mega_moe_ws_plan'):
     dirs += [_C.compile_mega_moe(fmt, 64, stages, True, 128, 64, False, False, True) for fmt in (1, 2) for stages in (5, 6)]
 if _C.get_num_nvcc_invocations() != before and not req['compile']:

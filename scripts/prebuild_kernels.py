@@ -41,8 +41,14 @@ DEFAULT_FORMATS = ('fp8xfp8', 'bf16xbf16')
 
 
 def _key(fmt, n, num_ranks, experts, topk, hidden, inter, fast):
-    return kernel_variant(fmt, num_ranks, experts, topk, hidden, inter, n, SM90_NUM_SMS, SM90_MAX_SMEM, fast,
-                          hbm_gbps=SM90_HBM_GBPS['H200'])   # the bandwidth-dependent picks (the CTA pair's N = 16 / 32 tiles) as on the H200
+    """The persistent kernel the launcher picks (with the weights-first kernel off: one-token EP1 calls
+    would otherwise name that kernel, which carry_cache.py --all builds on its own)."""
+    old = _C.set_mega_moe_weights_first(0)
+    try:
+        return kernel_variant(fmt, num_ranks, experts, topk, hidden, inter, n, SM90_NUM_SMS, SM90_MAX_SMEM, fast,
+                              hbm_gbps=SM90_HBM_GBPS['H200'])   # the bandwidth-dependent picks (the CTA pair's N = 16 / 32 tiles) as on the H200
+    finally:
+        _C.set_mega_moe_weights_first(old)
 
 
 def variants(formats=DEFAULT_FORMATS):
