@@ -74,6 +74,16 @@ def requires_sm90():
 
 
 @pytest.fixture
+def persistent_kernel():
+    """The persistent kernel for every call of a test (suites of that kernel: their one-token EP1
+    FP8 / BF16 calls would otherwise run the weights-first kernel, on by default; its own suite is
+    tests/test_weights_first_gpu.py)."""
+    old = _C.set_mega_moe_weights_first(0)
+    yield
+    _C.set_mega_moe_weights_first(old)
+
+
+@pytest.fixture
 def jit_cache_dir(tmp_path):
     """A private, empty JIT cache for one test; the process-wide setting is restored after it."""
     import deep_gemm.jit

@@ -33,16 +33,7 @@ from deep_gemm.testing.bench_utils import capture_graph
 from conftest import record_diff
 
 sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-pytestmark = pytest.mark.skipif(not sm90, reason='needs an SM90 (Hopper) GPU')
-
-
-@pytest.fixture(autouse=True)
-def persistent_kernel():
-    """This suite is the persistent kernel's: its one-token EP1 FP8 / BF16 calls would otherwise run
-    weights-first (on by default; that kernel's own suite is tests/test_weights_first_gpu.py)."""
-    old = _C.set_mega_moe_weights_first(0)
-    yield
-    _C.set_mega_moe_weights_first(old)
+pytestmark = [pytest.mark.skipif(not sm90, reason='needs an SM90 (Hopper) GPU'), pytest.mark.usefixtures('persistent_kernel')]
 
 TOL = ep_check.TOLERANCE   # {'fp8xfp8': 3e-4, 'fp8xfp4': 3e-4, 'bf16xbf16': 2e-6}, derived in this file's docstring
 FORMATS = list(MMA_TYPES)
