@@ -445,8 +445,9 @@ struct WsKernel {
 
     // Before an L2 unit of slot j when the pairs' rows in shared memory are not yet slot j's: slot j's
     // L1 tiles done (bounded), then the pairs' rows (TMA, every K-block; rows of other slots' pairs
-    // may be mid-write: their columns are never selected) and, FP8, their scales. `reload`: the
-    // rows were loaded before, for another slot (every warp's wgmma on them must be done first).
+    // may be mid-write: their columns are never selected) and, FP8, their scales. h_phase: the
+    // loads of h_tile before this one (> 0: rows loaded for another slot, which every warp's wgmma
+    // must be done with first; its parity is the h_bar phase this load completes).
     __device__ bool wait_l1_and_load_h(const CUtensorMap* tm_h, const MegaMoEWsPlan& plan, int j, uint32_t h_phase, const Thread& th) {
         if (h_phase > 0) named_barrier(kWsBarrierMath, kWsMathThreads);
         if (th.tid == 0) {
