@@ -284,6 +284,20 @@ struct WsKernel {
         for (int q = 0; q < 4; ++q) mma::fence_operands(d[q]);
     }
 
+    // After the math warpgroup's stores of one part of a group of `parts`: its count (acquire and
+    // release: the parts' stores before, the last part's loads after); whether this part is the
+    // last, which resets the count for the next call
+    __device__ bool count_part(uint32_t* count, int parts, const Thread& th) {
+        named_barrier(kWsBarrierMath, kWsMathThreads);
+        if (th.tid == 0) {
+            const bool last = atom_acq_rel_gpu_add(count, 1) == static_cast<uint32_t>(parts - 1);
+            if (last) *count = 0;
+            *reinterpret_cast<volatile int*>(&sh->split_last) = last;
+        }
+        named_barrier(kWsBarrierMath, kWsMathThreads);
+        return ld_volatile_shared_s32(smem_addr(&sh->split_last));
+    }
+
     // The piece of a group (an L1 tile, a column tile of y) that chunk `k` ends: when the group has
     // more than one part, this part's partial sums go out and its count in; the last part sums every
     // part in part order into `acc` (the same bits whichever CTA is last) and returns true. The
@@ -300,14 +314,7 @@ struct WsKernel {
         float4* own = part_ptr(k);
         #pragma unroll
         for (int q = 0; q < 4; ++q) __stcg(own + q, make_float4(acc[q][0], acc[q][1], acc[q][2], acc[q][3]));
-        named_barrier(kWsBarrierMath, kWsMathThreads);
-        if (th.tid == 0) {
-            const bool last = atom_acq_rel_gpu_add(count, 1) == static_cast<uint32_t>(parts - 1);
-            if (last) *count = 0;   // for the next call
-            *reinterpret_cast<volatile int*>(&sh->split_last) = last;
-        }
-        named_barrier(kWsBarrierMath, kWsMathThreads);
-        if (not ld_volatile_shared_s32(smem_addr(&sh->split_last))) return false;
+        if (not count_part(count, parts, th)) return false;
         float own_v[4][4];
         #pragma unroll
         for (int q = 0; q < 4; ++q)
@@ -356,14 +363,7 @@ struct WsKernel {
             #pragma unroll
             for (int i = 0; i < 4; ++i)
                 if ((i & 1) ? m1 : m0) __stcg(part + 4 * q + i, acc[q][i]);
-        named_barrier(kWsBarrierMath, kWsMathThreads);
-        if (th.tid == 0) {
-            const bool last = atom_acq_rel_gpu_add(count, 1) == static_cast<uint32_t>(num_slots - 1);
-            if (last) *count = 0;   // for the next call
-            *reinterpret_cast<volatile int*>(&sh->split_last) = last;
-        }
-        named_barrier(kWsBarrierMath, kWsMathThreads);
-        if (not ld_volatile_shared_s32(smem_addr(&sh->split_last))) return false;
+        if (not count_part(count, num_slots, th)) return false;
         float4 v[4];
         #pragma unroll
         for (int q = 0; q < 4; ++q) v[q] = __ldcg(reinterpret_cast<const float4*>(part) + q);
