@@ -10,6 +10,8 @@ the sum in slot order, as the persistent kernel and the reference do; what diffe
 K is split. (Summing the rows unrounded gave calc_diff 4e-6 against the BF16 reference: one
 rounding apart.) Skipped without an SM90 GPU.
 """
+import os
+
 import pytest
 import torch
 
@@ -226,7 +228,6 @@ def test_plan_forms_back_to_back(fmt):
 
 def test_off_when_asked_and_where_it_cannot_run():
     _C.set_mega_moe_weights_first(-1)   # the environment's choice, else the default: on
-    import os
     if os.environ.get('DG_MEGA_MOE_WEIGHTS_FIRST') != '0':
         assert _C.get_mega_moe_kernel_variant(1, 1, 128, 8, 2048, 768, 1, 132)['weights_first']
     _C.set_mega_moe_weights_first(0)

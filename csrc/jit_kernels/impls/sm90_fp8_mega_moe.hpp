@@ -222,8 +222,7 @@ inline bool select_mega_moe_weights_first(MmaType mma_type, int num_ranks, int n
 
 // The weights-first kernel's plan form (MegaMoEWsPlan: kMegaMoEWsWholeL1 | kMegaMoEWsWholeL2 |
 // kMegaMoEWsL2AfterL1) set at run time (_C.set_mega_moe_ws_plan); -1: the tuning aid
-// DG_MEGA_MOE_WS_PLAN = 0..7 (read once per process), else kMegaMoEWsDefaultPlan
-// The default: whole L1 tiles, whole L2 chunks, L2 weights after L1's (form 7: fastest of the eight at
+// DG_MEGA_MOE_WS_PLAN = 0..7 (read once per process), else kMegaMoEWsDefaultPlan. The default: whole L1 tiles, whole L2 chunks, L2 weights after L1's (form 7: fastest of the eight at
 // n = 1 of mid, v4-flash and DeepSeek-V3 shapes on an H100, docs/PERF.md session 51)
 constexpr int kMegaMoEWsDefaultPlan = kMegaMoEWsWholeL1 | kMegaMoEWsWholeL2 | kMegaMoEWsL2AfterL1;
 inline std::atomic<int>& mega_moe_ws_plan_override() {
@@ -231,6 +230,7 @@ inline std::atomic<int>& mega_moe_ws_plan_override() {
     return form;
 }
 inline int select_mega_moe_ws_plan() {
+    static_assert(kMegaMoEWsPlanForms == 8, "the forms DG_MEGA_MOE_WS_PLAN accepts");
     static const int env_form = read_env_choice("DG_MEGA_MOE_WS_PLAN", {"0", "1", "2", "3", "4", "5", "6", "7"});
     const int set = mega_moe_ws_plan_override().load(std::memory_order_relaxed);
     return set >= 0 ? set : env_form >= 0 ? env_form : kMegaMoEWsDefaultPlan;

@@ -204,6 +204,7 @@ DG_HOST_DEVICE constexpr int mega_moe_smem_bytes(MmaType t, int block_m, int num
 // as split-K chunks of kMegaMoEWsTileRows-row weight tiles that every CTA starts streaming at once.
 // One math warpgroup and a producer warp.
 constexpr int kMegaMoEWsMaxPairs = 8;                          // wgmma N: the tokens (L1) and the pairs (L2)
+static_assert(kMegaMoEWsMaxPairs == layout::kWsCountSlots, "a counter line per routed expert in ws_count");
 constexpr int kMegaMoEWsMathThreads = 128;
 constexpr int kMegaMoEWsThreads = kMegaMoEWsMathThreads + 32;
 constexpr int kMegaMoEWsTileRows = 256;                        // L1: 128 gate + 128 up rows; L2: columns of y
@@ -350,7 +351,8 @@ struct MegaMoEParams {
     // Most K parts per split-K L1 tile (DG_MEGA_MOE_L1_SPLIT, else the heuristic's cap per format;
     // 1 = never split): the kernel picks 1, 2 or 4 per call when every L1 tile is narrow (docs/KERNEL.md)
     int l1_split_max;
-    // The weights-first kernel's plan form (MegaMoEWsPlan: kMegaMoEWsWholeL1 | kMegaMoEWsWholeL2)
+    // The weights-first kernel's plan form (MegaMoEWsPlan: kMegaMoEWsWholeL1 | kMegaMoEWsWholeL2 |
+    // kMegaMoEWsL2AfterL1), set per call
     int ws_plan;
 };
 

@@ -356,7 +356,7 @@ struct WsKernel {
     __device__ bool exchange_columns(int ct, int j, uint32_t* count, const Thread& th, float (&acc)[4][4]) {
         const int num_slots = sh->num_slots;
         if (num_slots == 1) return true;
-        float* part = mine<float>(lay.split_partials) + static_cast<int64_t>(2 * L::kMaxWsChunks + ct) * L::kSplitPartialFloats + th.tid * 16;
+        float* part = mine<float>(lay.split_partials) + static_cast<int64_t>(L::kWsL2PartialBase + ct) * L::kSplitPartialFloats + th.tid * 16;
         const bool m0 = sh->pair_slot[th.c0] == j, m1 = sh->pair_slot[th.c0 + 1] == j;
         #pragma unroll
         for (int q = 0; q < 4; ++q)
@@ -561,7 +561,7 @@ struct WsKernel {
                 const bool last = (u + 1) % plan.per_column == 0 or (u + 1) % plan.s2 == 0 or u + 1 == plan.units2;
                 uint32_t* count = counts() + L::kWsCountColumns + ct;
                 if (last and (plan.whole2 ? exchange_columns(ct, j, count, th, acc)
-                                          : exchange(ct, plan.per_column, plan.s2, u / plan.s2, 2 * L::kMaxWsChunks, count, th, acc))) {
+                                          : exchange(ct, plan.per_column, plan.s2, u / plan.s2, L::kWsL2PartialBase, count, th, acc))) {
                     y_epilogue(ct, th, acc);
                     if (th.tid == 0) trace(kWsTraceYWritten);
                 }

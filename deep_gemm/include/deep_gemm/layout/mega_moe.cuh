@@ -50,6 +50,8 @@ constexpr int kSplitPartialFloats = 256 * 8;
 // CTA) the chunk queue, the CTAs that left, the L1 chunks fully issued and per routed expert (slot)
 // its L1 tiles done
 constexpr int kMaxWsChunks = 144;
+constexpr int kWsL2PartialBase = 2 * kMaxWsChunks;   // L2's first split_partials slot
+constexpr int kWsCountSlots = 8;                     // routed experts (slots) of a call: kMegaMoEWsMaxPairs
 constexpr int kWsCountLineWords = 32;
 constexpr int kWsCountL1Tiles = 0;
 constexpr int kWsCountColumns = kWsCountL1Tiles + kMaxSplitTiles;
@@ -58,8 +60,8 @@ constexpr int kWsCountExited = kWsCountQueue + kWsCountLineWords;
 constexpr int kWsCountL1Issued = kWsCountExited + kWsCountLineWords;   // L1 chunks whose every load is issued
 constexpr int kWsCountSlotDone = kWsCountL1Issued + kWsCountLineWords;  // + kWsCountLineWords x slot
 constexpr int kWsCountWords = 1024;
-static_assert(kWsCountSlotDone + 8 * kWsCountLineWords <= kWsCountWords and 4 * kMaxWsChunks <= kMaxSplitParts,
-              "the weights-first kernel's workspace (8: kMegaMoEWsMaxPairs slots)");
+static_assert(kWsCountSlotDone + kWsCountSlots * kWsCountLineWords <= kWsCountWords and 2 * kWsL2PartialBase <= kMaxSplitParts,
+              "the weights-first kernel's workspace");
 
 // Control word slots (uint32, local to a rank)
 constexpr int kControlEpoch = 0;          // number of calls completed on this buffer
