@@ -9,6 +9,9 @@
 #   ~230 s suite); json, png and log under $OUT
 #   DG_RUN_OPERAND_PROBE=1: then scripts/device_operand_probe.sh (~1 minute; $OUT/operand_probe.txt)
 #   DG_RUN_HOST_OVERHEAD=1: then scripts/host_overhead.py (host us per eager call; $OUT/host_overhead.txt)
+#   DG_RUN_WS_AB=1: then the weights-first kernel against the persistent one at n = 1 (scripts/time_fused.py,
+#   two rounds interleaved: FP8 x FP4 forms 7 and 6, FP8 x FP8 forms 7 and 6, the persistent kernel;
+#   $OUT/ws_ab.txt), and memcheck on the weights-first kernels (FP8 x FP4 and FP8 x FP8, one token)
 #
 # .whl holds nvidia-cutlass (CuTe headers); .jit_cache holds kernels compiled on the CPU machine
 # (`python scripts/prebuild_kernels.py`), so nvcc time is not spent on device time.
@@ -73,6 +76,21 @@ case "${DG_RUN_BENCH:-0}" in
 esac
 if [ "${DG_RUN_HOST_OVERHEAD:-0}" = "1" ]; then
     timeout -k 5 120 python3 scripts/host_overhead.py 2>&1 | tee "$OUT/host_overhead.txt" | tail -8
+fi
+if [ "${DG_RUN_WS_AB:-0}" = "1" ]; then
+    cases="fp8xfp4 2048 768 128 8 1 fp8xfp4 4096 2048 256 6 1 fp8xfp4 7168 2048 256 8 1 fp8xfp8 2048 768 128 8 1 fp8xfp8 4096 2048 256 6 1"
+    for round in 1 2; do
+        for v in "1 7" "1 6" "0 7"; do
+            set -- $v
+            echo "=== round $round: DG_MEGA_MOE_WEIGHTS_FIRST=$1 DG_MEGA_MOE_WS_PLAN=$2"
+            DG_MEGA_MOE_WEIGHTS_FIRST=$1 DG_MEGA_MOE_WS_PLAN=$2 timeout -k 5 120 python3 scripts/time_fused.py $cases 2>&1 | tail -6
+        done
+    done 2>&1 | tee "$OUT/ws_ab.txt"
+    for fmt in fp8xfp4 fp8xfp8; do
+        DG_MEGA_MOE_WEIGHTS_FIRST=1 timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/one_launch.py \
+            --format $fmt --tokens 1 --shape mid --sms 16 > /tmp/san.log 2>&1
+        echo "memcheck weights-first [$fmt, one token, mid]: exit $? $(grep -E 'ERROR SUMMARY|calc_diff|ws_' /tmp/san.log | tr '\n' ' ')"
+    done
 fi
 if [ "${DG_RUN_OPERAND_PROBE:-0}" = "1" ]; then
     bash scripts/device_operand_probe.sh 2>&1 | tail -30

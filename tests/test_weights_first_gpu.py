@@ -1,10 +1,13 @@
 """The weights-first kernel (impls/sm90_mega_moe_ws.cuh) on the GPU: one-rank calls of at most 8
-routed pairs, FP8 x FP8 and BF16, forced on with `_C.set_mega_moe_weights_first(1)`, in the split
+routed pairs, FP8 x FP8, FP8 x FP4 and BF16, forced on with `_C.set_mega_moe_weights_first(1)` (FP8 x
+FP4's is off by default until this file has passed on a GPU), in the split
 (0) and whole, L2-after-L1 (7) plan forms (`_C.set_mega_moe_ws_plan`; the others in
 test_plan_forms_back_to_back).
 
 Every case: fresh random inputs, y poisoned with NaN, every row against the emulating reference with
-the tolerances of tests/test_mega_moe_gpu.py (3e-4 FP8, 2e-6 BF16, derived there): this kernel
+the tolerances of tests/test_mega_moe_gpu.py (3e-4 FP8 / FP8 x FP4, 2e-6 BF16, derived there; FP8 x
+FP4's reference multiplies the dequantized MXFP4 weights, which the kernel's E4M3 expansion holds
+exactly): this kernel
 quantizes h with the same formulas and rounds each (token, slot) row of the L2 output to BF16 before
 the sum in slot order, as the persistent kernel and the reference do; what differs is only where
 K is split. (Summing the rows unrounded gave calc_diff 4e-6 against the BF16 reference: one
@@ -18,6 +21,7 @@ import torch
 import deep_gemm
 from deep_gemm import _C
 from deep_gemm.mega.launch import _max_smem
+from deep_gemm.mega.buffer import mma_type_to_int
 from deep_gemm.testing import calc_diff, ep_check, moe_case as mc
 
 from conftest import record_diff
@@ -26,8 +30,8 @@ sm90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0
 pytestmark = pytest.mark.skipif(not sm90, reason='needs an SM90 (Hopper) GPU')
 
 TOL = ep_check.TOLERANCE
-FORMATS = ['fp8xfp8', 'bf16xbf16']
-ENTRY = {'fp8xfp8': deep_gemm.fp8_mega_moe, 'bf16xbf16': deep_gemm.bf16_mega_moe}
+FORMATS = ['fp8xfp8', 'fp8xfp4', 'bf16xbf16']
+ENTRY = {'fp8xfp8': deep_gemm.fp8_mega_moe, 'fp8xfp4': deep_gemm.fp8_fp4_mega_moe, 'bf16xbf16': deep_gemm.bf16_mega_moe}
 SMALL = (512, 256, 16, 4)
 MID = (2048, 768, 128, 8)
 V4 = (4096, 2048, 256, 6)
@@ -49,26 +53,26 @@ def form(request):
     _C.set_mega_moe_ws_plan(old)
 
 
-def weights_for(fmt, shape, seed=0):
-    key = (fmt, shape, seed)
+def weights_for(fmt, shape, seed=0, fp4_options=None):
+    key = (fmt, shape, seed, repr(fp4_options))
     if key not in _weights:
         _weights.clear()
         torch.cuda.empty_cache()
         hidden, inter, experts, _ = shape
-        _weights[key] = mc.make_weights(fmt, hidden, inter, experts, 1, seed)
+        _weights[key] = mc.make_weights(fmt, hidden, inter, experts, 1, seed, fp4_options=fp4_options)
     return _weights[key]
 
 
 def assert_weights_first(fmt, shape, n, buf):
     hidden, inter, experts, topk = shape
-    name = _C.get_mega_moe_kernel_variant(1 if fmt == 'fp8xfp8' else 2, 1, experts, topk, hidden, inter, n,
+    name = _C.get_mega_moe_kernel_variant(mma_type_to_int(fmt), 1, experts, topk, hidden, inter, n,
                                           getattr(buf, 'num_sms', None) or _C.get_num_sms(), _max_smem(torch.device('cuda')))['name']
     assert name.startswith('sm90_mega_moe_ws_'), name
 
 
-def check(fmt, shape, n, seed, sms=None, clamp=None, stats=None, **routing):
+def check(fmt, shape, n, seed, sms=None, clamp=None, stats=None, fp4_options=None, **routing):
     hidden, inter, experts, topk = shape
-    w = weights_for(fmt, shape)
+    w = weights_for(fmt, shape, fp4_options=fp4_options)
     (buf,) = mc.make_buffers(fmt, 1, experts, max(n, 1), topk, hidden, inter)
     if sms:
         buf.num_sms = sms
@@ -227,12 +231,21 @@ def test_plan_forms_back_to_back(fmt):
 
 
 def test_off_when_asked_and_where_it_cannot_run():
-    _C.set_mega_moe_weights_first(-1)   # the environment's choice, else the default: on
-    if os.environ.get('DG_MEGA_MOE_WEIGHTS_FIRST') != '0':
+    _C.set_mega_moe_weights_first(-1)   # the environment's choice, else the default: on (FP8 x FP4: off)
+    if os.environ.get('DG_MEGA_MOE_WEIGHTS_FIRST') is None:
         assert _C.get_mega_moe_kernel_variant(1, 1, 128, 8, 2048, 768, 1, 132)['weights_first']
+        assert not _C.get_mega_moe_kernel_variant(0, 1, 128, 8, 2048, 768, 1, 132)['weights_first']
     _C.set_mega_moe_weights_first(0)
     assert not _C.get_mega_moe_kernel_variant(1, 1, 128, 8, 2048, 768, 1, 132)['weights_first']
     _C.set_mega_moe_weights_first(1)
-    assert not _C.get_mega_moe_kernel_variant(0, 1, 128, 8, 2048, 768, 1, 132)['weights_first']   # FP8 x FP4
+    assert _C.get_mega_moe_kernel_variant(0, 1, 128, 8, 2048, 768, 1, 132)['weights_first']   # FP8 x FP4: when asked
     assert not _C.get_mega_moe_kernel_variant(1, 2, 128, 8, 2048, 768, 1, 132)['weights_first']   # two ranks
     assert not _C.get_mega_moe_kernel_variant(1, 1, 128, 8, 2048, 768, 2, 132)['weights_first']   # 16 pairs
+
+
+# FP8 x FP4 weights (issue 4) the transform finds awkward, through the weights-first kernel's
+# register expansion: clamped deltas, all-zero rows, the largest magnitude in every group
+@pytest.mark.parametrize('options', [dict(exponent_range=(100, 128)), dict(zero_rows=40), dict(max_code_in_every_group=True)])
+def test_fp4_awkward_weights(options, form):
+    check('fp8xfp4', MID, 1, 30, fp4_options=options)
+    check('fp8xfp4', SMALL, 2, 31, fp4_options=options, mask_frac=0.3)

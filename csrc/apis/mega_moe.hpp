@@ -101,7 +101,7 @@ inline void register_apis(py::module_& m) {
           "(and without the GIL: threads compile different variants in parallel). "
           "block_n_l2: the L2 task width, 128, (block_m 64) 256 / 512 or (block_m 128, fp8xfp8 / bf16xbf16) 256; wide_n_min: the narrowest transposed wide "
           "tile, 64 or (fp8xfp4, block_m 64) 16 / 32; signals_thread: (fp8xfp4, block_m 64) the kernel with the "
-          "signals thread; weights_first: the weights-first kernel (fp8xfp8 / bf16xbf16; num_stages 3-6 and fast_math only). "
+          "signals thread; weights_first: the weights-first kernel (num_stages 3-8; block_m and the options above unused). "
           "Returns the kernel's cache directory.");
 
     m.def("prepare_mega_moe",
@@ -187,7 +187,7 @@ inline void register_apis(py::module_& m) {
           },
           py::arg("choice"),
           "Whether calls that can run the weights-first kernel do (1), do not (0), or follow DG_MEGA_MOE_WEIGHTS_FIRST\n"
-          "(-1, the start); returns the previous setting. A tuning aid for tests and benchmarks (docs/KERNEL.md).");
+          "(-1, the start; unset: on, but for fp8xfp4); returns the previous setting. A tuning aid for tests and benchmarks (docs/KERNEL.md).");
 
     m.def("get_mega_moe_kernel_variant",
           [](int mma_type, int num_ranks, int num_experts, int num_topk, int hidden, int intermediate_hidden,

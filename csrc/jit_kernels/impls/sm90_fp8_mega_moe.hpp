@@ -62,8 +62,6 @@ struct SM90MegaMoEVariant {
 
     void check() const {
         if (weights_first) {
-            if (mma_type != MmaType::kFP8xFP8 and mma_type != MmaType::kBF16xBF16)
-                jit::raise_invalid_argument("weights_first: fp8xfp8 or bf16xbf16 only; got mma_type ", static_cast<int>(mma_type));
             if (num_stages < kMegaMoEWsMinStages or num_stages > kMegaMoEWsMaxStages)
                 jit::raise_invalid_argument("weights_first: num_stages in [", kMegaMoEWsMinStages, ", ", kMegaMoEWsMaxStages, "], got ", num_stages);
             return;
@@ -209,14 +207,17 @@ inline std::atomic<int>& mega_moe_weights_first_override() {
 }
 
 // Whether a call runs the weights-first kernel: where it can (mega_moe_ws_ok), unless turned off by
-// the run-time override or else DG_MEGA_MOE_WEIGHTS_FIRST = 0 (read once per process). On by default:
-// faster than the persistent kernel at n = 1 on every shape timed (H100: mid FP8 -11.7 %, BF16 -3.9 %,
-// v4-flash FP8 -9.2 %, DeepSeek-V3 FP8 -1.1 %; docs/PERF.md session 51)
+// the run-time override or else DG_MEGA_MOE_WEIGHTS_FIRST = 0 (read once per process). On by default
+// for FP8 x FP8 and BF16: faster than the persistent kernel at n = 1 on every shape timed (H100: mid
+// FP8 -11.7 %, BF16 -3.9 %, v4-flash FP8 -9.2 %, DeepSeek-V3 FP8 -1.1 %; docs/PERF.md session 51).
+// FP8 x FP4 only when asked (= 1, or the override): its weights-first kernel has not yet run on a GPU
+inline bool mega_moe_weights_first_by_default(MmaType mma_type) { return mma_type != MmaType::kFP8xFP4; }
 inline bool select_mega_moe_weights_first(MmaType mma_type, int num_ranks, int num_experts, int num_tokens, int num_topk, int hidden,
                                           int intermediate_hidden, int max_smem_bytes) {
     static const int env_choice = read_env_choice("DG_MEGA_MOE_WEIGHTS_FIRST", {"0", "1"});
     const int set = mega_moe_weights_first_override().load(std::memory_order_relaxed);
-    return (set >= 0 ? set : env_choice >= 0 ? env_choice : 1) == 1 and
+    const int choice = set >= 0 ? set : env_choice;
+    return (choice >= 0 ? choice == 1 : mega_moe_weights_first_by_default(mma_type)) and
            mega_moe_ws_ok(mma_type, num_ranks, num_experts, num_tokens, num_topk, hidden, intermediate_hidden, max_smem_bytes);
 }
 
@@ -411,17 +412,32 @@ inline SM90MegaMoELaunchPlan make_sm90_mega_moe_plan(const SM90MegaMoEArgs& a, c
     plan.launch_config.programmatic = mega_moe_programmatic_launch();
     const auto& lay = params.layout;
     const bool fp8 = is_fp8_activation(a.mma_type);
+    const bool fp4 = a.mma_type == MmaType::kFP8xFP4;
+    // FP8 x FP4: a stage of a 256-row tile (L1's gate/up pair, a narrow 256-wide L2 tile, a weights-first
+    // tile) takes the two 128-row blocks of a pair with one copy for the codes: the codes as
+    // [row blocks][K-blocks][8 KB as rows of code_row bytes] in boxes {code_row, 8192 / code_row, 1, 2}
+    const auto pair_codes = [&](int64_t ptr, uint64_t k, uint64_t rows) {
+        const uint64_t kbs = k / 128, block = 128 * kMegaMoEPackedRowBytes;
+        return jit::make_tma<4>(reinterpret_cast<void*>(ptr), CU_TENSOR_MAP_DATA_TYPE_UINT8,
+                                {jit::TmaDim{code_row, static_cast<uint32_t>(code_row), 0, "packed row bytes", "packed row bytes", "-"},
+                                 jit::TmaDim{static_cast<uint64_t>(params.fp4_code_box_rows), static_cast<uint32_t>(params.fp4_code_box_rows),
+                                             code_row, "block rows", "block rows", "packed row bytes"},
+                                 jit::TmaDim{kbs, 1, block, "K-blocks", "one K-block", "block bytes"},
+                                 jit::TmaDim{rows / 128, 2, kbs * block, "row blocks", "row-block pair", "row-block bytes"}},
+                                CU_TENSOR_MAP_SWIZZLE_NONE);
+    };
     if (variant.weights_first) {
         // x's rows (8-row boxes of the inputs; at least 8 rows, past n_max the buffer's next sections: only
         // columns of tokens >= n read them), the pairs' rows in the L2 pool (8-row boxes), 256-row weight tiles
-        const auto dt = a.mma_type == MmaType::kFP8xFP8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+        // (FP8 x FP4: the pair maps of their codes; the kernel copies their deltas itself)
+        const auto dt = fp8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
         const uint64_t act = activation_bytes(a.mma_type), h = a.hidden, i = a.intermediate_hidden, e = lay.num_local_experts;
         const uint32_t bk = static_cast<uint32_t>(mega_moe_block_k(a.mma_type)), n = kMegaMoEWsMaxPairs;
         const auto own = a.buffers[a.rank];
         plan.maps[0] = make_kmajor_tma(own + lay.x.offset, dt, h, std::max<uint64_t>(lay.num_max_tokens_per_rank, n), bk, n, h * act);
         plan.maps[1] = make_kmajor_tma(own + lay.l2_act.offset, dt, i, lay.num_pool_rows, bk, n, i * act);
-        plan.maps[2] = make_kmajor_tma(a.l1_weights, dt, h, e * 2 * i, bk, kMegaMoEWsTileRows, h * act);
-        plan.maps[3] = make_kmajor_tma(a.l2_weights, dt, i, e * h, bk, kMegaMoEWsTileRows, i * act);
+        plan.maps[2] = fp4 ? pair_codes(a.l1_weights, h, e * 2 * i) : make_kmajor_tma(a.l1_weights, dt, h, e * 2 * i, bk, kMegaMoEWsTileRows, h * act);
+        plan.maps[3] = fp4 ? pair_codes(a.l2_weights, i, e * h) : make_kmajor_tma(a.l2_weights, dt, i, e * h, bk, kMegaMoEWsTileRows, i * act);
         plan.num_maps = 4;
         return plan;
     }
@@ -436,7 +452,6 @@ inline SM90MegaMoELaunchPlan make_sm90_mega_moe_plan(const SM90MegaMoEArgs& a, c
     // block (L2's one-block loads; the pair maps below take two), unswizzled (the math warpgroups expand it
     // into the swizzled E4M3 tile or, on narrow tiles, into wgmma A fragments; the transform permutes
     // each row's 64 bytes for those loads, mega_moe_fp4_packed_byte)
-    const bool fp4 = a.mma_type == MmaType::kFP8xFP4;
     const auto w_tma = [&](int64_t ptr, uint64_t k, uint64_t rows, uint32_t box_rows) {
         return fp4 ? make_kmajor_tma(ptr, CU_TENSOR_MAP_DATA_TYPE_UINT8, code_row, rows * (k / 128) * kMegaMoEPackedRowBytes / code_row,
                                      static_cast<uint32_t>(code_row), static_cast<uint32_t>(params.fp4_code_box_rows), code_row,
@@ -446,22 +461,10 @@ inline SM90MegaMoELaunchPlan make_sm90_mega_moe_plan(const SM90MegaMoEArgs& a, c
     CUtensorMap tm_l1_w = w_tma(a.l1_weights, h, e * 2 * i, kMegaMoEBlockNL1);
     CUtensorMap tm_l2_act = make_kmajor_tma(own + lay.l2_act.offset, dtype, i, rows, bk, config.block_m, i * act);
     CUtensorMap tm_l2_w = w_tma(a.l2_weights, i, e * h, kMegaMoEBlockNL2);
-    // FP8 x FP4: a stage of a 256-row tile (L1's gate/up pair, a narrow 256-wide L2 tile) takes the
-    // two 128-row blocks of a pair with one copy for the codes and one for the deltas: the codes as
-    // [row blocks][K-blocks][8 KB as rows of code_row bytes] in boxes {code_row, 8192 / code_row, 1, 2}, the deltas as
+    // FP8 x FP4 (pair_codes above): the deltas of a row-block pair in one copy too, as
     // [row blocks][K-blocks][128 x 4 bytes] in boxes {128, 1, 2} (32-bit elements). L1 stages are
     // always pairs (its code map is the pair map); L2 keeps its one-block map for the other tiles.
     // Other formats get placeholders (never read).
-    const auto pair_codes = [&](int64_t ptr, uint64_t k, uint64_t rows) {
-        const uint64_t kbs = k / 128, block = 128 * kMegaMoEPackedRowBytes;
-        return jit::make_tma<4>(reinterpret_cast<void*>(ptr), CU_TENSOR_MAP_DATA_TYPE_UINT8,
-                                {jit::TmaDim{code_row, static_cast<uint32_t>(code_row), 0, "packed row bytes", "packed row bytes", "-"},
-                                 jit::TmaDim{static_cast<uint64_t>(params.fp4_code_box_rows), static_cast<uint32_t>(params.fp4_code_box_rows),
-                                             code_row, "block rows", "block rows", "packed row bytes"},
-                                 jit::TmaDim{kbs, 1, block, "K-blocks", "one K-block", "block bytes"},
-                                 jit::TmaDim{rows / 128, 2, kbs * block, "row blocks", "row-block pair", "row-block bytes"}},
-                                CU_TENSOR_MAP_SWIZZLE_NONE);
-    };
     const auto pair_deltas = [&](int64_t ptr, uint64_t k, uint64_t rows) {
         const uint64_t kbs = k / 128;
         return jit::make_tma<3>(reinterpret_cast<void*>(ptr), CU_TENSOR_MAP_DATA_TYPE_UINT32,

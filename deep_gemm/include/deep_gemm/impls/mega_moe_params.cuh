@@ -200,32 +200,42 @@ DG_HOST_DEVICE constexpr int mega_moe_smem_bytes(MmaType t, int block_m, int num
 }
 
 // The weights-first kernel (impls/sm90_mega_moe_ws.cuh, docs/KERNEL.md "Weights first"): a
-// one-rank call of at most kMegaMoEWsMaxPairs routed (token, slot) pairs, FP8 x FP8 or BF16, run
-// as split-K chunks of kMegaMoEWsTileRows-row weight tiles that every CTA starts streaming at once.
-// One math warpgroup and a producer warp.
+// one-rank call of at most kMegaMoEWsMaxPairs routed (token, slot) pairs, any format, run as
+// chunks of kMegaMoEWsTileRows-row weight tiles that every CTA starts streaming at once. One math
+// warpgroup and a producer warp.
 constexpr int kMegaMoEWsMaxPairs = 8;                          // wgmma N: the tokens (L1) and the pairs (L2)
 static_assert(kMegaMoEWsMaxPairs == layout::kWsCountSlots, "a counter line per routed expert in ws_count");
 constexpr int kMegaMoEWsMathThreads = 128;
 constexpr int kMegaMoEWsThreads = kMegaMoEWsMathThreads + 32;
 constexpr int kMegaMoEWsTileRows = 256;                        // L1: 128 gate + 128 up rows; L2: columns of y
-constexpr int kMegaMoEWsStageBytes = kMegaMoEWsTileRows * 128; // a weight tile's K-block
+// A stage: a weight tile's K-block (FP8 x FP8 / BF16: 128 bytes a row, 128B-swizzled; FP8 x FP4: the
+// packed codes of its two 128-row blocks, 64 bytes a row, then their exponent deltas, 4 bytes a row)
+DG_HOST_DEVICE constexpr int mega_moe_ws_stage_bytes(MmaType t) {
+    return t == MmaType::kFP8xFP4 ? kMegaMoEWsTileRows * (kMegaMoEPackedRowBytes + 4) : kMegaMoEWsTileRows * 128;
+}
+DG_HOST_DEVICE constexpr int mega_moe_ws_stage_code_bytes(MmaType t) {
+    return t == MmaType::kFP8xFP4 ? kMegaMoEWsTileRows * kMegaMoEPackedRowBytes : mega_moe_ws_stage_bytes(t);
+}
+static_assert(mega_moe_ws_stage_bytes(MmaType::kFP8xFP4) % 1024 == 0, "every stage (and the N side after them) 1024-aligned");
 constexpr int kMegaMoEWsNSideBytes = kMegaMoEWsMaxPairs * 128; // a K-block of the N side
 constexpr int kMegaMoEWsStageScaleBytes = 16;                  // a stage's two weight block scales (FP8), padded
 constexpr int kMegaMoEWsScalarBytes = 256;
-constexpr int kMegaMoEWsMaxStages = 6;
+constexpr int kMegaMoEWsMaxStages = 8;   // FP8 x FP4 (17 KB stages); FP8 x FP8 and BF16 fit 6 at most
 constexpr int kMegaMoEWsMinStages = 3;
 // Its shared memory, the one place the kernel's carve-up and the launch's size come from: offsets
 // from the 1024-aligned base of the stages' weight tiles (0), their N-side K-blocks, the pairs' rows
 // (the L2 N side, every K-block), 8 x kMegaMoEWsTileRows FP32 exchange rows, the activation scales
-// (FP8: x's and the pairs' rows', per K-block and column), the stages' weight scales, the full and
-// empty mbarriers, the N-side mbarrier, the stage words and the scalars (16-aligned); `bytes`, the
-// launch's dynamic shared memory, adds 1024 for the base's alignment
+// (FP8 activations: x's and the pairs' rows', per K-block and column), the stages' weight scales,
+// the full and empty mbarriers, the N-side mbarrier, the stage words, FP8 x FP4's expansion table
+// (128-aligned) and the scalars (16-aligned); `bytes`, the launch's dynamic shared memory, adds 1024
+// for the base's alignment
 struct MegaMoEWsSmem {
-    int acts = 0, h_tile = 0, xchg = 0, x_sf = 0, h_sf = 0, stage_wsf = 0, full = 0, empty = 0, h_bar = 0, words = 0, shared = 0, bytes = 0;
+    int acts = 0, h_tile = 0, xchg = 0, x_sf = 0, h_sf = 0, stage_wsf = 0, full = 0, empty = 0, h_bar = 0, words = 0, table = 0,
+        shared = 0, bytes = 0;
     DG_HOST_DEVICE constexpr MegaMoEWsSmem(MmaType t, int num_stages, int hidden, int intermediate) {
         const int block_k = 128 / activation_bytes(t);
-        const bool fp8 = t == MmaType::kFP8xFP8;
-        int c = num_stages * kMegaMoEWsStageBytes;
+        const bool fp8 = is_fp8_activation(t);
+        int c = num_stages * mega_moe_ws_stage_bytes(t);
         acts = c, c += num_stages * kMegaMoEWsNSideBytes;
         h_tile = c, c += (intermediate / block_k) * kMegaMoEWsNSideBytes;
         xchg = c, c += kMegaMoEWsMaxPairs * kMegaMoEWsTileRows * 4;
@@ -236,6 +246,7 @@ struct MegaMoEWsSmem {
         empty = c, c += num_stages * 8;
         h_bar = c, c += 8;
         words = c, c += num_stages * 4;
+        if (t == MmaType::kFP8xFP4) c = align_up(c, kMegaMoEFP4TableAlign), table = c, c += kMegaMoEFP4TableBytes;
         shared = align_up(c, 16);
         bytes = 1024 + shared + kMegaMoEWsScalarBytes;
     }
@@ -243,13 +254,13 @@ struct MegaMoEWsSmem {
 DG_HOST_DEVICE constexpr int mega_moe_ws_smem_bytes(MmaType t, int num_stages, int hidden, int intermediate) {
     return MegaMoEWsSmem(t, num_stages, hidden, intermediate).bytes;
 }
-// Whether a call can run weights-first: FP8 x FP8 or BF16, one rank (every input local), 1 to
+// Whether a call can run weights-first: one rank (every input local), 1 to
 // kMegaMoEWsMaxPairs routed pairs (n x top-k: so that an expert's pairs, duplicates included, fit
 // the N = 8 side), whole kMegaMoEWsTileRows-wide column tiles of y, at most kMaxSplitTiles L1 tiles and
 // kMaxWsChunks column tiles (the workspace's counters), and the fewest stages in shared memory
 DG_HOST_DEVICE constexpr bool mega_moe_ws_ok(MmaType t, int num_ranks, int num_experts, int num_tokens, int num_topk, int hidden,
                                              int intermediate, int max_smem_bytes) {
-    return (t == MmaType::kFP8xFP8 or t == MmaType::kBF16xBF16) and num_ranks == 1 and num_tokens >= 1 and
+    return num_ranks == 1 and num_tokens >= 1 and
            num_tokens * num_topk <= kMegaMoEWsMaxPairs and hidden % kMegaMoEWsTileRows == 0 and hidden / kMegaMoEWsTileRows <= layout::kMaxWsChunks and
            min_of(num_tokens * num_topk, num_experts) * (intermediate / 128) <= layout::kMaxSplitTiles and
            mega_moe_ws_smem_bytes(t, kMegaMoEWsMinStages, hidden, intermediate) <= max_smem_bytes;

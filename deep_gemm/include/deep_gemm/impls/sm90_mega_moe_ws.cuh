@@ -15,7 +15,9 @@
 //            before any L2 chunk, so a CTA that waits (L2 on L1) waits for work some running CTA
 //            holds: the kernel completes with part of its grid resident.
 //   L1       the tile's weights are the wgmma M side (4 x 64 rows), the tokens its N = 8 (rows 0..7 of
-//            x: columns of tokens >= n hold garbage no pair reads). Split: a chunk's partial sums of
+//            x: columns of tokens >= n hold garbage no pair reads). FP8 x FP4: the stage holds the
+//            tile's packed E2M1 codes and exponent deltas; each math thread expands its own A
+//            fragments into registers (sm90_mega_moe::fp4, the persistent kernel's narrow tiles' rule). Split: a chunk's partial sums of
 //            a tile go to the workspace; the chunk that counts a tile's last part sums the parts in
 //            part order (bitwise repeatable). The tile's last (or only) chunk runs the epilogue:
 //            SwiGLU (+clamp) x the pair's top-k weight, FP8 per-128 quantization (the persistent
@@ -34,6 +36,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
+#include "mega_moe_fp4.cuh"
 #include "sm90_fp8_mega_moe.cuh"
 
 namespace deep_gemm::sm90_mega_moe_ws {
@@ -48,7 +51,6 @@ constexpr int kWsMaxPairs = kMegaMoEWsMaxPairs;
 constexpr int kWsMathThreads = kMegaMoEWsMathThreads;
 constexpr int kWsThreads = kMegaMoEWsThreads;
 constexpr int kWsTileRows = kMegaMoEWsTileRows;
-constexpr int kWsStageBytes = kMegaMoEWsStageBytes;
 constexpr int kWsActBytes = kMegaMoEWsNSideBytes;
 constexpr uint32_t kWsEnd = 0x80000000u;    // stage word: no more units
 constexpr uint32_t kWsPhaseL2 = 0x40000000u;
@@ -74,8 +76,10 @@ struct WsShared {
 
 template <MmaType kMmaType, int kNumStages, bool kFastMath>
 struct WsKernel {
-    static constexpr bool kFP8 = kMmaType == MmaType::kFP8xFP8;
-    static_assert(kMmaType == MmaType::kFP8xFP8 or kMmaType == MmaType::kBF16xBF16, "FP8 x FP4 has no weights-first kernel yet");
+    static constexpr bool kFP8 = is_fp8_activation(kMmaType);   // FP8 activations and FP32 weight block scales
+    static constexpr bool kFP4 = kMmaType == MmaType::kFP8xFP4;  // E2M1 weights, expanded into A fragments
+    static constexpr int kWsStageBytes = mega_moe_ws_stage_bytes(kMmaType);
+    static constexpr int kCodeBytes = mega_moe_ws_stage_code_bytes(kMmaType);   // FP8 x FP4: the deltas follow
     static constexpr int kActBytes = kFP8 ? 1 : 2;
     static constexpr int BLOCK_K = 128 / kActBytes;
     using Mma = std::conditional_t<kFP8, mma::FP8MmaN8, mma::BF16MmaN8>;
@@ -91,6 +95,7 @@ struct WsKernel {
     float* x_sf;       // [H / 128][8]
     float* h_sf;       // [I / 128][8]
     float* stage_wsf;  // [stage][4]
+    uint8_t* fp4_table;   // FP8 x FP4: [16 deltas][8 magnitudes] E4M3, 128-aligned
     uint64_t *full, *empty, *h_bar;
     uint32_t* words;
     WsShared* sh;
@@ -104,6 +109,7 @@ struct WsKernel {
         h_sf = reinterpret_cast<float*>(base + o.h_sf), stage_wsf = reinterpret_cast<float*>(base + o.stage_wsf);
         full = reinterpret_cast<uint64_t*>(base + o.full), empty = reinterpret_cast<uint64_t*>(base + o.empty);
         h_bar = reinterpret_cast<uint64_t*>(base + o.h_bar), words = reinterpret_cast<uint32_t*>(base + o.words);
+        fp4_table = base + o.table;
         sh = reinterpret_cast<WsShared*>(base + o.shared);
     }
 
@@ -243,7 +249,20 @@ struct WsKernel {
                     cp_async_arrive_on(full + s);
                 }
                 mbarrier_arrive_expect_tx(full + s, kWsStageBytes + (l2 ? 0 : kWsActBytes));
-                tma_load_2d(stages + s * kWsStageBytes, l2 ? tm_l2_w : tm_l1_w, full + s, kb * BLOCK_K, row);
+                if constexpr (kFP4) {
+                    // The tile's two 128-row blocks: their codes in one box of the pair map (two 8 KB
+                    // blocks back to back), their deltas (512 bytes a block, [row blocks][K-blocks] in
+                    // HBM) by two bulk copies after them
+                    const int rb0 = row / 128, kbs = l2 ? plan.kb2 : plan.kb1;
+                    const uint8_t* deltas = l2 ? p.l2_weight_deltas : p.l1_weight_deltas;
+                    tma_load_4d(stages + s * kWsStageBytes, l2 ? tm_l2_w : tm_l1_w, full + s, 0, 0, kb, rb0);
+                    #pragma unroll
+                    for (int b = 0; b < 2; ++b)
+                        bulk_load(stages + s * kWsStageBytes + kCodeBytes + b * kMegaMoEDeltaBlockBytes,
+                                  deltas + (static_cast<int64_t>(rb0 + b) * kbs + kb) * kMegaMoEDeltaBlockBytes, kMegaMoEDeltaBlockBytes, full + s);
+                } else {
+                    tma_load_2d(stages + s * kWsStageBytes, l2 ? tm_l2_w : tm_l1_w, full + s, kb * BLOCK_K, row);
+                }
                 if (not l2) tma_load_2d(acts + s * kWsActBytes, tm_x, full + s, kb * BLOCK_K, 0);
                 if (it == 0) trace(kWsTraceFirstIssue);
             }
@@ -270,16 +289,37 @@ struct WsKernel {
         __device__ int col(int i) const { return c0 + i % 2; }
     };
 
-    // The 4 M tiles of a stage's weights times the N side's K-block
-    __device__ static void stage_mma(const uint8_t* w_tile, const uint8_t* n_tile, float (&d)[4][4], bool accumulate) {
+    // The 4 M tiles of a stage's weights times the N side's K-block. FP8 x FP4 (accumulate false,
+    // `table` the expansion table's shared address): M tile q's A fragments expanded from the stage's
+    // codes (rows 64 q + 16 warp + lane / 4 (+ 8)), then its wgmmas issued, which run while the next
+    // tile's are expanded; the fragments stay live until the wait
+    __device__ static void stage_mma(const uint8_t* w_tile, const uint8_t* n_tile, float (&d)[4][4], bool accumulate, const Thread& th,
+                                     uint32_t table) {
         const uint64_t dn = mma::make_k_major_sw128_desc(n_tile);
         #pragma unroll
         for (int q = 0; q < 4; ++q) mma::fence_operands(d[q]);
-        mma::warpgroup_arrive();
-        #pragma unroll
-        for (int q = 0; q < 4; ++q) Mma::fma_k_block(mma::make_k_major_sw128_desc(w_tile + q * 64 * 128), dn, d[q], accumulate);
-        mma::warpgroup_commit();
-        mma::warpgroup_wait<0>();
+        if constexpr (kFP4) {
+            sm90_mega_moe::fp4::Fragments frag[4];
+            const uint32_t codes = smem_addr(w_tile), deltas = codes + kCodeBytes;
+            #pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                sm90_mega_moe::fp4::Rows r;
+                sm90_mega_moe::fp4::load_rows(codes, deltas, 64 * q + 16 * th.warp, th.lane, r, table);
+                sm90_mega_moe::fp4::expand(r, frag[q], table);
+                mma::warpgroup_arrive();
+                mma::FP8MmaRegAN8::fma_k_block(frag[q], dn, d[q], false);
+            }
+            mma::warpgroup_commit();
+            mma::warpgroup_wait<0>();
+            #pragma unroll
+            for (int q = 0; q < 4; ++q) mma::fence_fragments(frag[q]);
+        } else {
+            mma::warpgroup_arrive();
+            #pragma unroll
+            for (int q = 0; q < 4; ++q) Mma::fma_k_block(mma::make_k_major_sw128_desc(w_tile + q * 64 * 128), dn, d[q], accumulate);
+            mma::warpgroup_commit();
+            mma::warpgroup_wait<0>();
+        }
         #pragma unroll
         for (int q = 0; q < 4; ++q) mma::fence_operands(d[q]);
     }
@@ -490,6 +530,7 @@ struct WsKernel {
     __device__ void math(const CUtensorMap* tm_h, const MegaMoEWsPlan& plan) {
         const Thread th(static_cast<int>(threadIdx.x));
         float acc[4][4];
+        const uint32_t table = kFP4 ? smem_addr(fp4_table) : 0u;
         int h_slot = -1;        // whose pairs' rows h_tile holds
         uint32_t h_phase = 0;   // loads of h_tile so far
         for (uint32_t it = 0;; ++it) {
@@ -511,7 +552,7 @@ struct WsKernel {
                 }
                 if constexpr (kFP8) {
                     float part[4][4];
-                    stage_mma(stages + s * kWsStageBytes, acts + s * kWsActBytes, part, false);
+                    stage_mma(stages + s * kWsStageBytes, acts + s * kWsActBytes, part, false, th, table);
                     const float xs0 = x_sf[kb * kWsMaxPairs + th.c0], xs1 = x_sf[kb * kWsMaxPairs + th.c0 + 1];
                     #pragma unroll
                     for (int q = 0; q < 4; ++q) {
@@ -520,7 +561,7 @@ struct WsKernel {
                         for (int i = 0; i < 4; ++i) acc[q][i] += part[q][i] * ((i & 1) ? xs1 * sw : xs0 * sw);
                     }
                 } else {
-                    stage_mma(stages + s * kWsStageBytes, acts + s * kWsActBytes, acc, not first);
+                    stage_mma(stages + s * kWsStageBytes, acts + s * kWsActBytes, acc, not first, th, table);
                 }
                 if (th.lane == 0) mbarrier_arrive(empty + s);
                 if (th.tid == 0) trace(kWsTraceL1Consumed);
@@ -542,7 +583,7 @@ struct WsKernel {
                         for (int i = 0; i < 4; ++i) acc[q][i] = 0.0f;
                 }
                 float part[4][4];
-                stage_mma(stages + s * kWsStageBytes, h_tile + kb * kWsActBytes, part, false);
+                stage_mma(stages + s * kWsStageBytes, h_tile + kb * kWsActBytes, part, false, th, table);
                 if (th.lane == 0) mbarrier_arrive(empty + s);
                 if (th.tid == 0) trace(kWsTraceL2Consumed);
                 // Column c of the product counts only where pair c belongs to this unit's expert (the
@@ -586,6 +627,7 @@ struct WsKernel {
             fence_barrier_init();
             sh->ctrl.abort = 0;
         }
+        if constexpr (kFP4) sm90_mega_moe::fp4::fill_table(fp4_table, static_cast<int>(threadIdx.x), kWsThreads);   // read after __syncthreads
         if (warp == 4 and lane_idx() == 0) {
             prefetch_tma_descriptor(tm_x), prefetch_tma_descriptor(tm_h);
             prefetch_tma_descriptor(tm_l1_w), prefetch_tma_descriptor(tm_l2_w);
