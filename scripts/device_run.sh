@@ -89,7 +89,7 @@ if [ "${DG_RUN_WS_AB:-0}" = "1" ]; then
     for fmt in fp8xfp4 fp8xfp8; do
         DG_MEGA_MOE_WEIGHTS_FIRST=1 timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/one_launch.py \
             --format $fmt --tokens 1 --shape mid --sms 16 > /tmp/san.log 2>&1
-        echo "memcheck weights-first [$fmt, one token, mid]: exit $? $(grep -E 'ERROR SUMMARY|calc_diff|ws_' /tmp/san.log | tr '\n' ' ')"
+        echo "memcheck weights-first [$fmt, one token, mid]: exit $? $(grep -E 'ERROR SUMMARY|calc_diff' /tmp/san.log | tr '\n' ' ')" | tee -a "$OUT/ws_ab.txt"
     done
 fi
 if [ "${DG_RUN_OPERAND_PROBE:-0}" = "1" ]; then
