@@ -273,7 +273,7 @@ inline std::pair<MegaMoEConfig, SM90MegaMoEVariant> select_sm90_mega_moe_variant
     config.signals_thread = select_mega_moe_signals_thread(config);
     if (select_mega_moe_weights_first(mma_type, num_ranks, num_experts, num_tokens, num_topk, hidden, intermediate_hidden, max_smem_bytes)) {
         config.num_stages = mega_moe_ws_stages(mma_type, hidden, intermediate_hidden, max_smem_bytes);
-        config.num_threads = kMegaMoEWsThreads;
+        config.num_threads = mega_moe_ws_threads(mma_type);
         config.smem_bytes = mega_moe_ws_smem_bytes(mma_type, config.num_stages, hidden, intermediate_hidden);
         SM90MegaMoEVariant v{mma_type, config.block_m, config.num_stages, fast_math, config.block_n_l2};
         v.weights_first = true;

@@ -202,11 +202,13 @@ DG_HOST_DEVICE constexpr int mega_moe_smem_bytes(MmaType t, int block_m, int num
 // The weights-first kernel (impls/sm90_mega_moe_ws.cuh, docs/KERNEL.md "Weights first"): a
 // one-rank call of at most kMegaMoEWsMaxPairs routed (token, slot) pairs, any format, run as
 // chunks of kMegaMoEWsTileRows-row weight tiles that every CTA starts streaming at once. One math
-// warpgroup and a producer warp.
+// or two math warpgroups and a producer warp.
 constexpr int kMegaMoEWsMaxPairs = 8;                          // wgmma N: the tokens (L1) and the pairs (L2)
 static_assert(kMegaMoEWsMaxPairs == layout::kWsCountSlots, "a counter line per routed expert in ws_count");
-constexpr int kMegaMoEWsMathThreads = 128;
-constexpr int kMegaMoEWsThreads = kMegaMoEWsMathThreads + 32;
+// Math warpgroups: one, but two for FP8 x FP4 (each expands two of a stage's four 64-row M tiles:
+// one warp a sub-partition left the expansion's latencies bare, docs/PERF.md session 52)
+DG_HOST_DEVICE constexpr int mega_moe_ws_math_warpgroups(MmaType t) { return t == MmaType::kFP8xFP4 ? 2 : 1; }
+DG_HOST_DEVICE constexpr int mega_moe_ws_threads(MmaType t) { return 128 * mega_moe_ws_math_warpgroups(t) + 32; }   // + the producer warp
 constexpr int kMegaMoEWsTileRows = 256;                        // L1: 128 gate + 128 up rows; L2: columns of y
 // A stage: a weight tile's K-block (FP8 x FP8 / BF16: 128 bytes a row, 128B-swizzled; FP8 x FP4: the
 // packed codes of its two 128-row blocks, 64 bytes a row, then their exponent deltas, 4 bytes a row)

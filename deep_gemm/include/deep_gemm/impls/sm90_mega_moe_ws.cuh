@@ -31,7 +31,9 @@
 //            per token its pairs' rows, each rounded to BF16, summed in pair (top-k slot) order, as
 //            the persistent kernel's combine.
 //
-// Roles: warps 0-3 the math warpgroup, warp 4 the producer (one lane: the queue and the TMA loads).
+// Roles: the math warpgroup (warps 0-3; FP8 x FP4: two, warps 0-7, warpgroup w taking M tiles w and
+// w + 2 of every stage, so L1's gate and up rows of a half stay in one thread), then the producer warp
+// (one lane: the queue and the TMA loads).
 
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
@@ -48,8 +50,6 @@ using sm90_mega_moe::SharedControl;
 
 // Short names of mega_moe_params.cuh's constants (the launcher sizes the launch from the same ones)
 constexpr int kWsMaxPairs = kMegaMoEWsMaxPairs;
-constexpr int kWsMathThreads = kMegaMoEWsMathThreads;
-constexpr int kWsThreads = kMegaMoEWsThreads;
 constexpr int kWsTileRows = kMegaMoEWsTileRows;
 constexpr int kWsActBytes = kMegaMoEWsNSideBytes;
 constexpr uint32_t kWsEnd = 0x80000000u;    // stage word: no more units
@@ -81,6 +81,11 @@ struct WsKernel {
     static constexpr int kWsStageBytes = mega_moe_ws_stage_bytes(kMmaType);
     static constexpr int kCodeBytes = mega_moe_ws_stage_code_bytes(kMmaType);   // FP8 x FP4: the deltas follow
     static constexpr int kActBytes = kFP8 ? 1 : 2;
+    static constexpr int kMathWGs = mega_moe_ws_math_warpgroups(kMmaType);
+    static constexpr int kMathThreads = 128 * kMathWGs;
+    static constexpr int kThreads = mega_moe_ws_threads(kMmaType);
+    static constexpr int kProducerWarp = kMathThreads / 32;
+    static constexpr int kTiles = 4 / kMathWGs;   // a thread's 64-row M tiles of a stage
     static constexpr int BLOCK_K = 128 / kActBytes;
     using Mma = std::conditional_t<kFP8, mma::FP8MmaN8, mma::BF16MmaN8>;
     static constexpr int kStageScaleFloats = kMegaMoEWsStageScaleBytes / 4;
@@ -177,7 +182,7 @@ struct WsKernel {
         if constexpr (kFP8) {
             const int kbs = lay.hidden / 128;
             const float* src = mine<float>(lay.x_sf);
-            for (int i = tid; i < kbs * kWsMaxPairs; i += kWsMathThreads) {
+            for (int i = tid; i < kbs * kWsMaxPairs; i += kMathThreads) {
                 const int kb = i / kWsMaxPairs, t = i % kWsMaxPairs;
                 x_sf[i] = t < p.num_tokens ? __ldcg(src + static_cast<int64_t>(t) * kbs + kb) : 0.0f;
             }
@@ -280,61 +285,66 @@ struct WsKernel {
     }
 
     // ------------------------------------------------------------------------------------------
-    // Math: per 64-row M tile q (4 of a stage's 256 rows) 4 accumulators, row 16 warp + lane / 4 +
-    // 8 (i / 2) of the M tile, column 2 (lane % 4) + i % 2 (a token in L1, a pair in L2)
+    // Math: a thread's kTiles 64-row M tiles of a stage's 256 rows, tile m its warpgroup's m-th
+    // (M tile q(m) = wg + kMathWGs m: all four with one warpgroup; with two, warpgroup w takes w and
+    // w + 2), 4 accumulators each: row 16 warp + lane / 4 + 8 (i / 2) of the M tile (warp: within the
+    // warpgroup), column 2 (lane % 4) + i % 2 (a token in L1, a pair in L2)
     struct Thread {
-        int tid, warp, lane, r0, c0;
-        __device__ explicit Thread(int t) : tid(t), warp(t / 32), lane(t % 32), r0((t / 32) * 16 + (t % 32) / 4), c0((t % 4) * 2) {}
+        int tid, warp, lane, wg, r0, c0;
+        __device__ explicit Thread(int t)
+            : tid(t), warp(kMathWGs == 1 ? t / 32 : t / 32 % 4), lane(t % 32), wg(kMathWGs == 1 ? 0 : t / 128),
+              r0(warp * 16 + (t % 32) / 4), c0((t % 4) * 2) {}
+        __device__ int q(int m) const { return wg + kMathWGs * m; }
         __device__ int row(int i) const { return r0 + 8 * (i / 2); }
         __device__ int col(int i) const { return c0 + i % 2; }
     };
+    using Acc = float[kTiles][4];
 
-    // The 4 M tiles of a stage's weights times the N side's K-block. FP8 x FP4 (accumulate false,
-    // `table` the expansion table's shared address): M tile q's A fragments expanded from the stage's
-    // codes (rows 64 q + 16 warp + lane / 4 (+ 8)), then its wgmmas issued, which run while the next
-    // tile's are expanded; the fragments stay live until the wait
-    __device__ static void stage_mma(const uint8_t* w_tile, const uint8_t* n_tile, float (&d)[4][4], bool accumulate, const Thread& th,
-                                     uint32_t table) {
+    // The thread's M tiles of a stage's weights times the N side's K-block. FP8 x FP4 (accumulate
+    // false, `table` the expansion table's shared address): M tile q's A fragments expanded from the
+    // stage's codes (rows 64 q + 16 warp + lane / 4 (+ 8)), then its wgmmas issued, which run while
+    // the next tile's are expanded; the fragments stay live until the wait
+    __device__ static void stage_mma(const uint8_t* w_tile, const uint8_t* n_tile, Acc& d, bool accumulate, const Thread& th, uint32_t table) {
         const uint64_t dn = mma::make_k_major_sw128_desc(n_tile);
         #pragma unroll
-        for (int q = 0; q < 4; ++q) mma::fence_operands(d[q]);
+        for (int m = 0; m < kTiles; ++m) mma::fence_operands(d[m]);
         if constexpr (kFP4) {
-            sm90_mega_moe::fp4::Fragments frag[4];
+            sm90_mega_moe::fp4::Fragments frag[kTiles];
             const uint32_t codes = smem_addr(w_tile), deltas = codes + kCodeBytes;
             #pragma unroll
-            for (int q = 0; q < 4; ++q) {
+            for (int m = 0; m < kTiles; ++m) {
                 sm90_mega_moe::fp4::Rows r;
-                sm90_mega_moe::fp4::load_rows(codes, deltas, 64 * q + 16 * th.warp, th.lane, r, table);
-                sm90_mega_moe::fp4::expand(r, frag[q], table);
+                sm90_mega_moe::fp4::load_rows(codes, deltas, 64 * th.q(m) + 16 * th.warp, th.lane, r, table);
+                sm90_mega_moe::fp4::expand(r, frag[m], table);
                 mma::warpgroup_arrive();
-                mma::FP8MmaRegAN8::fma_k_block(frag[q], dn, d[q], false);
+                mma::FP8MmaRegAN8::fma_k_block(frag[m], dn, d[m], false);
             }
             mma::warpgroup_commit();
             mma::warpgroup_wait<0>();
             #pragma unroll
-            for (int q = 0; q < 4; ++q) mma::fence_fragments(frag[q]);
+            for (int m = 0; m < kTiles; ++m) mma::fence_fragments(frag[m]);
         } else {
             mma::warpgroup_arrive();
             #pragma unroll
-            for (int q = 0; q < 4; ++q) Mma::fma_k_block(mma::make_k_major_sw128_desc(w_tile + q * 64 * 128), dn, d[q], accumulate);
+            for (int m = 0; m < kTiles; ++m) Mma::fma_k_block(mma::make_k_major_sw128_desc(w_tile + th.q(m) * 64 * 128), dn, d[m], accumulate);
             mma::warpgroup_commit();
             mma::warpgroup_wait<0>();
         }
         #pragma unroll
-        for (int q = 0; q < 4; ++q) mma::fence_operands(d[q]);
+        for (int m = 0; m < kTiles; ++m) mma::fence_operands(d[m]);
     }
 
-    // After the math warpgroup's stores of one part of a group of `parts`: its count (acquire and
+    // After the math threads' stores of one part of a group of `parts`: its count (acquire and
     // release: the parts' stores before, the last part's loads after); whether this part is the
     // last, which resets the count for the next call
     __device__ bool count_part(uint32_t* count, int parts, const Thread& th) {
-        named_barrier(kWsBarrierMath, kWsMathThreads);
+        named_barrier(kWsBarrierMath, kMathThreads);
         if (th.tid == 0) {
             const bool last = atom_acq_rel_gpu_add(count, 1) == static_cast<uint32_t>(parts - 1);
             if (last) *count = 0;
             *reinterpret_cast<volatile int*>(&sh->split_last) = last;
         }
-        named_barrier(kWsBarrierMath, kWsMathThreads);
+        named_barrier(kWsBarrierMath, kMathThreads);
         return ld_volatile_shared_s32(smem_addr(&sh->split_last));
     }
 
@@ -343,46 +353,45 @@ struct WsKernel {
     // part in part order into `acc` (the same bits whichever CTA is last) and returns true. The
     // group's parts are the chunks [first, first + parts); chunk k' keeps its part of a group in
     // slot base + 2 k' + (0 if the group is the chunk's first, else 1).
-    __device__ bool exchange(int group, int group_units, int s_units, int k, int base, uint32_t* count, const Thread& th,
-                             float (&acc)[4][4]) {
+    __device__ bool exchange(int group, int group_units, int s_units, int k, int base, uint32_t* count, const Thread& th, Acc& acc) {
         const int first = (group * group_units) / s_units, parts = ((group + 1) * group_units - 1) / s_units - first + 1;
         if (parts == 1) return true;
         const auto slot = [&](int kk) { return base + 2 * kk + ((kk * s_units) / group_units == group ? 0 : 1); };
         const auto part_ptr = [&](int kk) {
-            return reinterpret_cast<float4*>(mine<float>(lay.split_partials) + static_cast<int64_t>(slot(kk)) * L::kSplitPartialFloats) + th.tid * 4;
+            return reinterpret_cast<float4*>(mine<float>(lay.split_partials) + static_cast<int64_t>(slot(kk)) * L::kSplitPartialFloats) + th.tid * kTiles;
         };
         float4* own = part_ptr(k);
         #pragma unroll
-        for (int q = 0; q < 4; ++q) __stcg(own + q, make_float4(acc[q][0], acc[q][1], acc[q][2], acc[q][3]));
+        for (int m = 0; m < kTiles; ++m) __stcg(own + m, make_float4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]));
         if (not count_part(count, parts, th)) return false;
-        float own_v[4][4];
+        Acc own_v;
         #pragma unroll
-        for (int q = 0; q < 4; ++q)
+        for (int m = 0; m < kTiles; ++m)
             #pragma unroll
-            for (int i = 0; i < 4; ++i) own_v[q][i] = acc[q][i];
+            for (int i = 0; i < 4; ++i) own_v[m][i] = acc[m][i];
         // four parts' loads in flight at a time (one round trip each, not one a part), summed in part order
         for (int base_k = first; base_k < first + parts; base_k += 4) {
-            float4 v[4][4];
+            float4 v[4][kTiles];
             #pragma unroll
             for (int b = 0; b < 4; ++b) {
                 const int kk = base_k + b;
                 if (kk < first + parts and kk != k) {
                     const float4* src = part_ptr(kk);
                     #pragma unroll
-                    for (int q = 0; q < 4; ++q) v[b][q] = __ldcg(src + q);
+                    for (int m = 0; m < kTiles; ++m) v[b][m] = __ldcg(src + m);
                 } else {
                     #pragma unroll
-                    for (int q = 0; q < 4; ++q) v[b][q] = make_float4(own_v[q][0], own_v[q][1], own_v[q][2], own_v[q][3]);
+                    for (int m = 0; m < kTiles; ++m) v[b][m] = make_float4(own_v[m][0], own_v[m][1], own_v[m][2], own_v[m][3]);
                 }
             }
             #pragma unroll
             for (int b = 0; b < 4; ++b) {
                 if (base_k + b >= first + parts) break;
                 #pragma unroll
-                for (int q = 0; q < 4; ++q) {
-                    const float f[4] = {v[b][q].x, v[b][q].y, v[b][q].z, v[b][q].w};
+                for (int m = 0; m < kTiles; ++m) {
+                    const float f[4] = {v[b][m].x, v[b][m].y, v[b][m].z, v[b][m].w};
                     #pragma unroll
-                    for (int i = 0; i < 4; ++i) acc[q][i] = base_k + b == first ? f[i] : acc[q][i] + f[i];
+                    for (int i = 0; i < 4; ++i) acc[m][i] = base_k + b == first ? f[i] : acc[m][i] + f[i];
                 }
             }
         }
@@ -393,42 +402,44 @@ struct WsKernel {
     // writes those (scalars: a float4 of the exchange rows spans two columns, maybe two chunks') into
     // the column tile's slot, counts; the last of the column tile's num_slots chunks reads every
     // column back (one round trip) into `acc`. Columns of no pair are never written (nor read after).
-    __device__ bool exchange_columns(int ct, int j, uint32_t* count, const Thread& th, float (&acc)[4][4]) {
+    __device__ bool exchange_columns(int ct, int j, uint32_t* count, const Thread& th, Acc& acc) {
         const int num_slots = sh->num_slots;
         if (num_slots == 1) return true;
-        float* part = mine<float>(lay.split_partials) + static_cast<int64_t>(L::kWsL2PartialBase + ct) * L::kSplitPartialFloats + th.tid * 16;
+        float* part = mine<float>(lay.split_partials) + static_cast<int64_t>(L::kWsL2PartialBase + ct) * L::kSplitPartialFloats + th.tid * 4 * kTiles;
         const bool m0 = sh->pair_slot[th.c0] == j, m1 = sh->pair_slot[th.c0 + 1] == j;
         #pragma unroll
-        for (int q = 0; q < 4; ++q)
+        for (int m = 0; m < kTiles; ++m)
             #pragma unroll
             for (int i = 0; i < 4; ++i)
-                if ((i & 1) ? m1 : m0) __stcg(part + 4 * q + i, acc[q][i]);
+                if ((i & 1) ? m1 : m0) __stcg(part + 4 * m + i, acc[m][i]);
         if (not count_part(count, num_slots, th)) return false;
-        float4 v[4];
+        float4 v[kTiles];
         #pragma unroll
-        for (int q = 0; q < 4; ++q) v[q] = __ldcg(reinterpret_cast<const float4*>(part) + q);
+        for (int m = 0; m < kTiles; ++m) v[m] = __ldcg(reinterpret_cast<const float4*>(part) + m);
         #pragma unroll
-        for (int q = 0; q < 4; ++q) acc[q][0] = v[q].x, acc[q][1] = v[q].y, acc[q][2] = v[q].z, acc[q][3] = v[q].w;
+        for (int m = 0; m < kTiles; ++m) acc[m][0] = v[m].x, acc[m][1] = v[m].y, acc[m][2] = v[m].z, acc[m][3] = v[m].w;
         return true;
     }
 
     // L1 epilogue of tile `tile` (slot j's 256-row tile tl): SwiGLU (+clamp) per (row, token), then
     // for each pair c of slot j its token's 128 values x the pair's weight into row c of the L2 pool
     // (FP8: quantized per the block's amax, the persistent kernel's arithmetic), one count after
-    __device__ void l1_epilogue(int tile, int tiles_per_expert, const Thread& th, const float (&acc)[4][4]) {
+    __device__ void l1_epilogue(int tile, int tiles_per_expert, const Thread& th, const Acc& acc) {
         const int j = tile / tiles_per_expert, tl = tile % tiles_per_expert;
         const float clamp = p.activation_clamp;
+        // gate's M tiles are 0 and 1, up's 2 and 3: the thread's first half of tiles gate, second up
+        static_assert(kTiles % 2 == 0 and kMathWGs * (kTiles / 2) == 2, "a thread holds gate and up of the same rows");
         #pragma unroll
-        for (int q = 0; q < 2; ++q)
+        for (int m = 0; m < kTiles / 2; ++m)
             #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                const float g = fminf(acc[q][i], clamp), u = fminf(fmaxf(acc[q + 2][i], -clamp), clamp);
-                xchg[th.col(i) * 128 + 64 * q + th.row(i)] = sm90_mega_moe::silu<kFastMath>(g) * u;   // [token][128]
+                const float g = fminf(acc[m][i], clamp), u = fminf(fmaxf(acc[m + kTiles / 2][i], -clamp), clamp);
+                xchg[th.col(i) * 128 + 64 * th.q(m) + th.row(i)] = sm90_mega_moe::silu<kFastMath>(g) * u;   // [token][128]
             }
-        named_barrier(kWsBarrierMath, kWsMathThreads);
+        named_barrier(kWsBarrierMath, kMathThreads);
         auto* l2_act = mine<uint8_t>(lay.l2_act);
         #pragma unroll
-        for (int c = th.warp; c < kWsMaxPairs; c += 4) {
+        for (int c = th.tid / 32; c < kWsMaxPairs; c += kMathThreads / 32) {
             if (sh->pair_slot[c] != j) continue;   // warp-uniform
             const float w = sh->pair_weight[c];
             const float4 v = *reinterpret_cast<const float4*>(xchg + (c / lay.num_topk) * 128 + th.lane * 4);
@@ -453,21 +464,21 @@ struct WsKernel {
         }
         // The rows are read by TMA (async proxy) in other CTAs after the count's release
         fence_proxy_async_global();
-        named_barrier(kWsBarrierMath, kWsMathThreads);
+        named_barrier(kWsBarrierMath, kMathThreads);
         if (th.tid == 0) red_release_gpu_add(slot_done(j), 1);
     }
 
     // Column tile ct of y from the pairs' sums: per token, its pairs' columns added in pair order
     // (top-k slot order), each rounded to BF16 first: the persistent kernel's combine, bit for bit
     // in the sum's order
-    __device__ void y_epilogue(int ct, const Thread& th, const float (&acc)[4][4]) {
+    __device__ void y_epilogue(int ct, const Thread& th, const Acc& acc) {
         #pragma unroll
-        for (int q = 0; q < 4; ++q)
+        for (int m = 0; m < kTiles; ++m)
             #pragma unroll
-            for (int i = 0; i < 4; ++i) xchg[th.col(i) * kWsTileRows + 64 * q + th.row(i)] = acc[q][i];   // [pair][256]
-        named_barrier(kWsBarrierMath, kWsMathThreads);
+            for (int i = 0; i < 4; ++i) xchg[th.col(i) * kWsTileRows + 64 * th.q(m) + th.row(i)] = acc[m][i];   // [pair][256]
+        named_barrier(kWsBarrierMath, kMathThreads);
         auto* y = reinterpret_cast<__nv_bfloat16*>(p.y);
-        for (int idx = th.tid; idx < p.num_tokens * (kWsTileRows / 2); idx += kWsMathThreads) {
+        for (int idx = th.tid; idx < p.num_tokens * (kWsTileRows / 2); idx += kMathThreads) {
             const int t = idx / (kWsTileRows / 2), cc = (idx % (kWsTileRows / 2)) * 2;
             float s0 = 0.0f, s1 = 0.0f;
             #pragma unroll
@@ -480,7 +491,7 @@ struct WsKernel {
             }
             *reinterpret_cast<__nv_bfloat162*>(y + static_cast<int64_t>(t) * lay.hidden + ct * kWsTileRows + cc) = __floats2bfloat162_rn(s0, s1);
         }
-        named_barrier(kWsBarrierMath, kWsMathThreads);   // xchg is free again
+        named_barrier(kWsBarrierMath, kMathThreads);   // xchg is free again
     }
 
     // Before an L2 unit of slot j when the pairs' rows in shared memory are not yet slot j's: slot j's
@@ -489,7 +500,7 @@ struct WsKernel {
     // loads of h_tile before this one (> 0: rows loaded for another slot, which every warp's wgmma
     // must be done with first; its parity is the h_bar phase this load completes).
     __device__ bool wait_l1_and_load_h(const CUtensorMap* tm_h, const MegaMoEWsPlan& plan, int j, uint32_t h_phase, const Thread& th) {
-        if (h_phase > 0) named_barrier(kWsBarrierMath, kWsMathThreads);
+        if (h_phase > 0) named_barrier(kWsBarrierMath, kMathThreads);
         if (th.tid == 0) {
             const uint32_t* done = slot_done(j);
             const uint64_t start = globaltimer_ns();
@@ -511,17 +522,17 @@ struct WsKernel {
             *reinterpret_cast<volatile int*>(&sh->wait_ok) = ok;
             trace(kWsTraceL1Waited);
         }
-        named_barrier(kWsBarrierMath, kWsMathThreads);
+        named_barrier(kWsBarrierMath, kMathThreads);
         if (not ld_volatile_shared_s32(smem_addr(&sh->wait_ok))) {
             *reinterpret_cast<volatile int*>(&sh->ctrl.abort) = 1;
             return false;
         }
         if constexpr (kFP8) {
             const float* src = mine<float>(lay.l2_sf);
-            for (int i = th.tid; i < plan.kb2 * kWsMaxPairs; i += kWsMathThreads)
+            for (int i = th.tid; i < plan.kb2 * kWsMaxPairs; i += kMathThreads)
                 h_sf[i] = __ldcg(src + static_cast<int64_t>(i / kWsMaxPairs) * lay.num_pool_rows + i % kWsMaxPairs);
         }
-        named_barrier(kWsBarrierMath, kWsMathThreads);
+        named_barrier(kWsBarrierMath, kMathThreads);
         const bool loaded = wait_bar(h_bar, h_phase & 1);
         if (th.tid == 0) trace(kWsTraceHLoaded);
         return loaded;
@@ -529,7 +540,7 @@ struct WsKernel {
 
     __device__ void math(const CUtensorMap* tm_h, const MegaMoEWsPlan& plan) {
         const Thread th(static_cast<int>(threadIdx.x));
-        float acc[4][4];
+        Acc acc;
         const uint32_t table = kFP4 ? smem_addr(fp4_table) : 0u;
         int h_slot = -1;        // whose pairs' rows h_tile holds
         uint32_t h_phase = 0;   // loads of h_tile so far
@@ -546,19 +557,19 @@ struct WsKernel {
                 const bool first = kb == 0 or u % plan.s1 == 0;
                 if (first) {
                     #pragma unroll
-                    for (int q = 0; q < 4; ++q)
+                    for (int m = 0; m < kTiles; ++m)
                         #pragma unroll
-                        for (int i = 0; i < 4; ++i) acc[q][i] = 0.0f;
+                        for (int i = 0; i < 4; ++i) acc[m][i] = 0.0f;
                 }
                 if constexpr (kFP8) {
-                    float part[4][4];
+                    Acc part;
                     stage_mma(stages + s * kWsStageBytes, acts + s * kWsActBytes, part, false, th, table);
                     const float xs0 = x_sf[kb * kWsMaxPairs + th.c0], xs1 = x_sf[kb * kWsMaxPairs + th.c0 + 1];
                     #pragma unroll
-                    for (int q = 0; q < 4; ++q) {
-                        const float sw = q < 2 ? ws0 : ws1;
+                    for (int m = 0; m < kTiles; ++m) {
+                        const float sw = th.q(m) < 2 ? ws0 : ws1;   // the tile's 128-row block's scale
                         #pragma unroll
-                        for (int i = 0; i < 4; ++i) acc[q][i] += part[q][i] * ((i & 1) ? xs1 * sw : xs0 * sw);
+                        for (int i = 0; i < 4; ++i) acc[m][i] += part[m][i] * ((i & 1) ? xs1 * sw : xs0 * sw);
                     }
                 } else {
                     stage_mma(stages + s * kWsStageBytes, acts + s * kWsActBytes, acc, not first, th, table);
@@ -578,11 +589,11 @@ struct WsKernel {
                 }
                 if (u % plan.per_column == 0 or u % plan.s2 == 0) {
                     #pragma unroll
-                    for (int q = 0; q < 4; ++q)
+                    for (int m = 0; m < kTiles; ++m)
                         #pragma unroll
-                        for (int i = 0; i < 4; ++i) acc[q][i] = 0.0f;
+                        for (int i = 0; i < 4; ++i) acc[m][i] = 0.0f;
                 }
-                float part[4][4];
+                Acc part;
                 stage_mma(stages + s * kWsStageBytes, h_tile + kb * kWsActBytes, part, false, th, table);
                 if (th.lane == 0) mbarrier_arrive(empty + s);
                 if (th.tid == 0) trace(kWsTraceL2Consumed);
@@ -591,12 +602,12 @@ struct WsKernel {
                 const bool m0 = sh->pair_slot[th.c0] == j, m1 = sh->pair_slot[th.c0 + 1] == j;
                 const float hs0 = kFP8 ? h_sf[kb * kWsMaxPairs + th.c0] : 1.0f, hs1 = kFP8 ? h_sf[kb * kWsMaxPairs + th.c0 + 1] : 1.0f;
                 #pragma unroll
-                for (int q = 0; q < 4; ++q) {
-                    const float sw = q < 2 ? ws0 : ws1;
+                for (int m = 0; m < kTiles; ++m) {
+                    const float sw = th.q(m) < 2 ? ws0 : ws1;
                     #pragma unroll
                     for (int i = 0; i < 4; ++i) {
-                        const float v = kFP8 ? part[q][i] * ((i & 1) ? hs1 * sw : hs0 * sw) : part[q][i];
-                        acc[q][i] += ((i & 1) ? m1 : m0) ? v : 0.0f;
+                        const float v = kFP8 ? part[m][i] * ((i & 1) ? hs1 * sw : hs0 * sw) : part[m][i];
+                        acc[m][i] += ((i & 1) ? m1 : m0) ? v : 0.0f;
                     }
                 }
                 const bool last = (u + 1) % plan.per_column == 0 or (u + 1) % plan.s2 == 0 or u + 1 == plan.units2;
@@ -613,7 +624,7 @@ struct WsKernel {
     // A call whose every pair is masked has no units: y is zero
     __device__ void zero_y(int tid) {
         const int64_t chunks = static_cast<int64_t>(p.num_tokens) * lay.hidden / 8;
-        for (int64_t i = blockIdx.x * static_cast<int64_t>(kWsMathThreads) + tid; i < chunks; i += static_cast<int64_t>(gridDim.x) * kWsMathThreads)
+        for (int64_t i = blockIdx.x * static_cast<int64_t>(kMathThreads) + tid; i < chunks; i += static_cast<int64_t>(gridDim.x) * kMathThreads)
             reinterpret_cast<int4*>(p.y)[i] = make_int4(0, 0, 0, 0);
     }
 
@@ -622,30 +633,30 @@ struct WsKernel {
         const int warp = warp_idx();
         auto* control = mine<uint32_t>(lay.control);
         if (threadIdx.x == 0) {
-            for (int s = 0; s < kNumStages; ++s) mbarrier_init(full + s, 1), mbarrier_init(empty + s, 4);   // a lane of each math warp
+            for (int s = 0; s < kNumStages; ++s) mbarrier_init(full + s, 1), mbarrier_init(empty + s, kMathThreads / 32);   // a lane of each math warp
             mbarrier_init(h_bar, 1);
             fence_barrier_init();
             sh->ctrl.abort = 0;
         }
-        if constexpr (kFP4) sm90_mega_moe::fp4::fill_table(fp4_table, static_cast<int>(threadIdx.x), kWsThreads);   // read after __syncthreads
-        if (warp == 4 and lane_idx() == 0) {
+        if constexpr (kFP4) sm90_mega_moe::fp4::fill_table(fp4_table, static_cast<int>(threadIdx.x), kThreads);   // read after __syncthreads
+        if (warp == kProducerWarp and lane_idx() == 0) {
             prefetch_tma_descriptor(tm_x), prefetch_tma_descriptor(tm_h);
             prefetch_tma_descriptor(tm_l1_w), prefetch_tma_descriptor(tm_l2_w);
         }
         // Launched as a programmatic dependent: every global access waits for the kernel before
         griddepcontrol_wait();
-        if (threadIdx.x == 128) trace(kWsTraceStart);
+        if (threadIdx.x == kMathThreads) trace(kWsTraceStart);
         int ticket = 0;
-        if (warp == 4) {
+        if (warp == kProducerWarp) {
             if (lane_idx() == 0) ticket = static_cast<int>(atomicAdd(counts() + L::kWsCountQueue, 1u)), epoch = control[L::kControlEpoch] + 1;
             read_routing();
         } else {
             read_x_scales(static_cast<int>(threadIdx.x));
         }
         __syncthreads();
-        if (threadIdx.x == 128) trace(kWsTraceRouting);
+        if (threadIdx.x == kMathThreads) trace(kWsTraceRouting);
         const MegaMoEWsPlan plan(lay.mma_type, lay.hidden, lay.intermediate_hidden, sh->num_slots, static_cast<int>(gridDim.x), p.ws_plan);
-        if (warp == 4) {
+        if (warp == kProducerWarp) {
             if (lane_idx() == 0) {
                 if (ticket == 0) {   // one CTA: the statistics and the bad-id flag
                     if (p.cumulative_local_expert_recv_stats != nullptr)
@@ -663,7 +674,7 @@ struct WsKernel {
 
         // Leave; the last CTA out resets the call's counters and advances the epoch
         __syncthreads();
-        if (threadIdx.x == 128) {
+        if (threadIdx.x == kMathThreads) {
             trace(kWsTraceExit);
             __threadfence();
             const uint32_t exited = atom_acq_rel_gpu_add(counts() + L::kWsCountExited, 1);
@@ -682,7 +693,7 @@ struct WsKernel {
 
 // The JIT runtime instantiates this with the variant chosen by the launcher
 #define DG_DEFINE_SM90_MEGA_MOE_WS_KERNEL(NAME, MMA_TYPE, NUM_STAGES, FAST_MATH)                                      \
-    extern "C" __global__ void __launch_bounds__(deep_gemm::sm90_mega_moe_ws::kWsThreads, 1)                           \
+    extern "C" __global__ void __launch_bounds__(deep_gemm::mega_moe_ws_threads(MMA_TYPE), 1)                           \
     NAME(const __grid_constant__ deep_gemm::MegaMoEParams params, const __grid_constant__ CUtensorMap tm_x,           \
          const __grid_constant__ CUtensorMap tm_h, const __grid_constant__ CUtensorMap tm_l1_w,                       \
          const __grid_constant__ CUtensorMap tm_l2_w) {                                                                \
