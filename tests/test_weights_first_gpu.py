@@ -1,6 +1,6 @@
 """The weights-first kernel (impls/sm90_mega_moe_ws.cuh) on the GPU: one-rank calls of at most 8
 routed pairs, FP8 x FP8, FP8 x FP4 and BF16, forced on with `_C.set_mega_moe_weights_first(1)` (FP8 x
-FP4's is off by default until this file has passed on a GPU), in the split
+FP4's is off by default: faster than the persistent kernel at the mid shape only, docs/PERF.md session 52), in the split
 (0) and whole, L2-after-L1 (7) plan forms (`_C.set_mega_moe_ws_plan`; the others in
 test_plan_forms_back_to_back).
 

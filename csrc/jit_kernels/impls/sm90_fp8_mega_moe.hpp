@@ -210,7 +210,8 @@ inline std::atomic<int>& mega_moe_weights_first_override() {
 // the run-time override or else DG_MEGA_MOE_WEIGHTS_FIRST = 0 (read once per process). On by default
 // for FP8 x FP8 and BF16: faster than the persistent kernel at n = 1 on every shape timed (H100: mid
 // FP8 -11.7 %, BF16 -3.9 %, v4-flash FP8 -9.2 %, DeepSeek-V3 FP8 -1.1 %; docs/PERF.md session 51).
-// FP8 x FP4 only when asked (= 1, or the override): its weights-first kernel has not yet run on a GPU
+// FP8 x FP4 only when asked (= 1, or the override): correct, but at n = 1 faster than the persistent
+// kernel at mid only (form 6), slower at v4-flash and DeepSeek-V3 (H100, docs/PERF.md session 52)
 inline bool mega_moe_weights_first_by_default(MmaType mma_type) { return mma_type != MmaType::kFP8xFP4; }
 inline bool select_mega_moe_weights_first(MmaType mma_type, int num_ranks, int num_experts, int num_tokens, int num_topk, int hidden,
                                           int intermediate_hidden, int max_smem_bytes) {

@@ -205,8 +205,8 @@ DG_HOST_DEVICE constexpr int mega_moe_smem_bytes(MmaType t, int block_m, int num
 // or two math warpgroups and a producer warp.
 constexpr int kMegaMoEWsMaxPairs = 8;                          // wgmma N: the tokens (L1) and the pairs (L2)
 static_assert(kMegaMoEWsMaxPairs == layout::kWsCountSlots, "a counter line per routed expert in ws_count");
-// Math warpgroups: one, but two for FP8 x FP4 (each expands two of a stage's four 64-row M tiles:
-// one warp a sub-partition left the expansion's latencies bare, docs/PERF.md session 52)
+// Math warpgroups: one, but two for FP8 x FP4 (each expands two of a stage's four 64-row M tiles;
+// 1-3 % faster than one on an H100 at n = 1, docs/PERF.md session 52)
 DG_HOST_DEVICE constexpr int mega_moe_ws_math_warpgroups(MmaType t) { return t == MmaType::kFP8xFP4 ? 2 : 1; }
 DG_HOST_DEVICE constexpr int mega_moe_ws_threads(MmaType t) { return 128 * mega_moe_ws_math_warpgroups(t) + 32; }   // + the producer warp
 constexpr int kMegaMoEWsTileRows = 256;                        // L1: 128 gate + 128 up rows; L2: columns of y
