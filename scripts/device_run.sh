@@ -12,6 +12,9 @@
 #   DG_RUN_WS_AB=1: then the weights-first kernel against the persistent one at n = 1 (scripts/time_fused.py,
 #   two rounds interleaved: FP8 x FP4 forms 7 and 6, FP8 x FP8 forms 7 and 6, the persistent kernel;
 #   $OUT/ws_ab.txt), and memcheck on the weights-first kernels (FP8 x FP4 and FP8 x FP8, one token)
+#   DG_RUN_WS_STAGE=1: then why an FP8 x FP4 weights-first stage paces like FP8 x FP8's (docs/PERF.md session
+#   52): deepseek-v3 n = 1 under each L2 flush (write, read, none), weights-first and persistent, then the
+#   weights-first traces (--cold) of both formats ($OUT/ws_stage.txt)
 #
 # .whl holds nvidia-cutlass (CuTe headers); .jit_cache holds kernels compiled on the CPU machine
 # (`python scripts/prebuild_kernels.py`), so nvcc time is not spent on device time.
@@ -91,6 +94,21 @@ if [ "${DG_RUN_WS_AB:-0}" = "1" ]; then
             --format $fmt --tokens 1 --shape mid --sms 16 > /tmp/san.log 2>&1
         echo "memcheck weights-first [$fmt, one token, mid]: exit $? $(grep -E 'ERROR SUMMARY|calc_diff' /tmp/san.log | tr '\n' ' ')" | tee -a "$OUT/ws_ab.txt"
     done
+fi
+if [ "${DG_RUN_WS_STAGE:-0}" = "1" ]; then
+    {
+        for flush in write read none; do
+            for ws in 1 0; do
+                echo "=== flush $flush, DG_MEGA_MOE_WEIGHTS_FIRST=$ws"
+                DG_MEGA_MOE_WEIGHTS_FIRST=$ws timeout -k 5 90 python3 scripts/time_fused.py --flush $flush \
+                    fp8xfp4 7168 2048 256 8 1 fp8xfp8 7168 2048 256 8 1 2>&1 | tail -2
+            done
+        done
+        for fmt in fp8xfp4 fp8xfp8; do
+            echo "=== trace, weights-first, $fmt deepseek-v3 n = 1"
+            DG_MEGA_MOE_WEIGHTS_FIRST=1 timeout -k 5 90 python3 scripts/trace.py --cold $fmt 7168 2048 256 8 1 2>&1 | tail -30
+        done
+    } 2>&1 | tee "$OUT/ws_stage.txt"
 fi
 if [ "${DG_RUN_OPERAND_PROBE:-0}" = "1" ]; then
     bash scripts/device_operand_probe.sh 2>&1 | tail -30
