@@ -208,7 +208,8 @@ static_assert(kMegaMoEWsMaxPairs == layout::kWsCountSlots, "a counter line per r
 // Math warpgroups: one, but two for FP8 x FP4 (each expands two of a stage's four 64-row M tiles;
 // 1-3 % faster than one on an H100 at n = 1, docs/PERF.md session 52)
 DG_HOST_DEVICE constexpr int mega_moe_ws_math_warpgroups(MmaType t) { return t == MmaType::kFP8xFP4 ? 2 : 1; }
-DG_HOST_DEVICE constexpr int mega_moe_ws_threads(MmaType t) { return 128 * mega_moe_ws_math_warpgroups(t) + 32; }   // + the producer warp
+DG_HOST_DEVICE constexpr int mega_moe_ws_math_threads(MmaType t) { return 128 * mega_moe_ws_math_warpgroups(t); }
+DG_HOST_DEVICE constexpr int mega_moe_ws_threads(MmaType t) { return mega_moe_ws_math_threads(t) + 32; }   // + the producer warp
 constexpr int kMegaMoEWsTileRows = 256;                        // L1: 128 gate + 128 up rows; L2: columns of y
 // A stage: a weight tile's K-block (FP8 x FP8 / BF16: 128 bytes a row, 128B-swizzled; FP8 x FP4: the
 // packed codes of its two 128-row blocks, 64 bytes a row, then their exponent deltas, 4 bytes a row)

@@ -82,10 +82,12 @@ struct WsKernel {
     static constexpr int kCodeBytes = mega_moe_ws_stage_code_bytes(kMmaType);   // FP8 x FP4: the deltas follow
     static constexpr int kActBytes = kFP8 ? 1 : 2;
     static constexpr int kMathWGs = mega_moe_ws_math_warpgroups(kMmaType);
-    static constexpr int kMathThreads = 128 * kMathWGs;
+    static constexpr int kMathThreads = mega_moe_ws_math_threads(kMmaType);
     static constexpr int kThreads = mega_moe_ws_threads(kMmaType);
     static constexpr int kProducerWarp = kMathThreads / 32;
     static constexpr int kTiles = 4 / kMathWGs;   // a thread's 64-row M tiles of a stage
+    // A partial-sum slot (exchange, exchange_columns): each math thread's kTiles x 4 accumulators
+    static_assert(kMathThreads * kTiles * 4 == L::kSplitPartialFloats, "a split_partials slot holds one tile's accumulators");
     static constexpr int BLOCK_K = 128 / kActBytes;
     using Mma = std::conditional_t<kFP8, mma::FP8MmaN8, mma::BF16MmaN8>;
     static constexpr int kStageScaleFloats = kMegaMoEWsStageScaleBytes / 4;
