@@ -12,9 +12,10 @@
 #   DG_RUN_WS_AB=1: then the weights-first kernel against the persistent one at n = 1 (scripts/time_fused.py,
 #   two rounds interleaved: FP8 x FP4 forms 7 and 6, FP8 x FP8 forms 7 and 6, the persistent kernel;
 #   $OUT/ws_ab.txt), and memcheck on the weights-first kernels (FP8 x FP4 and FP8 x FP8, one token)
-#   DG_RUN_WS_STAGE=1: then why an FP8 x FP4 weights-first stage paces like FP8 x FP8's (docs/PERF.md session
-#   52): deepseek-v3 n = 1 under each L2 flush (write, read, none), weights-first and persistent, then the
-#   weights-first traces (--cold) of both formats ($OUT/ws_stage.txt)
+#   DG_RUN_WS_STAGE=1: then the FP8 x FP4 weights-first kernel's stage count (8 against 11: a CTA's bytes in
+#   flight) and plan forms 7 / 6 against the persistent kernel at n = 1 of the three shapes (two rounds),
+#   deepseek-v3 n = 1 under the read and no flush, the weights-first traces (--cold) at 8 and 11 stages,
+#   memcheck at 11 stages ($OUT/ws_stage.txt; docs/PERF.md sessions 52-53)
 #
 # .whl holds nvidia-cutlass (CuTe headers); .jit_cache holds kernels compiled on the CPU machine
 # (`python scripts/prebuild_kernels.py`), so nvcc time is not spent on device time.
@@ -97,17 +98,32 @@ if [ "${DG_RUN_WS_AB:-0}" = "1" ]; then
 fi
 if [ "${DG_RUN_WS_STAGE:-0}" = "1" ]; then
     {
-        for flush in write read none; do
+        # FP8 x FP4 weights-first at 8 and 11 stages (its bytes in flight a CTA), plan forms 7 and 6,
+        # against the persistent kernel, n = 1 of the three shapes, two rounds interleaved
+        cases="fp8xfp4 2048 768 128 8 1 fp8xfp4 4096 2048 256 6 1 fp8xfp4 7168 2048 256 8 1"
+        for round in 1 2; do
+            for v in "1 7 8" "1 7 11" "1 6 8" "1 6 11" "0 7 11"; do
+                set -- $v
+                echo "=== round $round: DG_MEGA_MOE_WEIGHTS_FIRST=$1 DG_MEGA_MOE_WS_PLAN=$2 DG_MEGA_MOE_WS_STAGES=$3"
+                DG_MEGA_MOE_WEIGHTS_FIRST=$1 DG_MEGA_MOE_WS_PLAN=$2 DG_MEGA_MOE_WS_STAGES=$3 timeout -k 5 120 \
+                    python3 scripts/time_fused.py $cases 2>&1 | tail -4
+            done
+        done
+        # Does the write flush's writeback set the pace? deepseek-v3 n = 1 under each flush
+        for flush in read none; do
             for ws in 1 0; do
                 echo "=== flush $flush, DG_MEGA_MOE_WEIGHTS_FIRST=$ws"
                 DG_MEGA_MOE_WEIGHTS_FIRST=$ws timeout -k 5 90 python3 scripts/time_fused.py --flush $flush \
                     fp8xfp4 7168 2048 256 8 1 fp8xfp8 7168 2048 256 8 1 2>&1 | tail -2
             done
         done
-        for fmt in fp8xfp4 fp8xfp8; do
-            echo "=== trace, weights-first, $fmt deepseek-v3 n = 1"
-            DG_MEGA_MOE_WEIGHTS_FIRST=1 timeout -k 5 90 python3 scripts/trace.py --cold $fmt 7168 2048 256 8 1 2>&1 | tail -30
+        for st in 8 11; do
+            echo "=== trace, weights-first, fp8xfp4 deepseek-v3 n = 1, $st stages"
+            DG_MEGA_MOE_WEIGHTS_FIRST=1 DG_MEGA_MOE_WS_STAGES=$st timeout -k 5 90 python3 scripts/trace.py --cold fp8xfp4 7168 2048 256 8 1 2>&1 | tail -30
         done
+        DG_MEGA_MOE_WEIGHTS_FIRST=1 timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/one_launch.py \
+            --format fp8xfp4 --tokens 1 --shape mid --sms 16 > /tmp/san.log 2>&1
+        echo "memcheck weights-first [fp8xfp4, 11 stages, one token, mid]: exit $? $(grep -E 'ERROR SUMMARY|calc_diff' /tmp/san.log | tr '\n' ' ')"
     } 2>&1 | tee "$OUT/ws_stage.txt"
 fi
 if [ "${DG_RUN_OPERAND_PROBE:-0}" = "1" ]; then

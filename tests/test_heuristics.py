@@ -546,6 +546,24 @@ def test_launcher_rejects_a_bad_wide_n_setting():
     assert 'DG_MEGA_MOE_WIDE_N' in out[0] and "'8'" in out[0]
 
 
+# DG_MEGA_MOE_WS_STAGES caps the weights-first kernel's stages (a tuning aid: the stage A/B of
+# docs/PERF.md session 53); unset, the most that fit (FP8 x FP4: 11 at v4-flash, FP8 x FP8: 6); a cap
+# above the fit changes nothing; a value outside 3..12 is refused by name
+@pytest.mark.parametrize('cap, stages', [(None, [11, 6]), ('8', [8, 6]), ('5', [5, 5]), ('12', [11, 6])])
+def test_weights_first_stage_cap(cap, stages):
+    out = json.loads(_run_script(_CALLS_SCRIPT, 'DG_MEGA_MOE_WS_STAGES', cap, 'get_mega_moe_kernel_variant',
+                                 json.dumps([_V4_FP4_N1, _V4_FLASH_N1]), extra_env={'DG_MEGA_MOE_WEIGHTS_FIRST': '1'}))
+    assert [v['weights_first'] for v in out] == [True, True]
+    assert [v['num_stages'] for v in out] == stages
+    assert all(v['name'].startswith(f"sm90_mega_moe_ws_{fmt}_s{s}_") for v, fmt, s in zip(out, ('fp8xfp4', 'fp8xfp8'), stages))
+
+
+def test_launcher_rejects_a_bad_ws_stages_setting():
+    out = json.loads(_run_script(_CALLS_SCRIPT, 'DG_MEGA_MOE_WS_STAGES', '13', 'get_mega_moe_kernel_variant', json.dumps([_V4_FP4_N1]),
+                                 extra_env={'DG_MEGA_MOE_WEIGHTS_FIRST': '1'}))
+    assert 'DG_MEGA_MOE_WS_STAGES' in out[0] and "'13'" in out[0]
+
+
 # The signals thread (FP8 x FP4 decode, a kernel variant): on from kSignalsThreadMinTasksPerSM (4)
 # expected L1 + L2 tasks per SM, off at one token (v4-flash: 96 + 96 tasks on 132 SMs), in prefill
 # tiles and in the other formats (their kernels raise their own signals)
