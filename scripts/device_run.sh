@@ -14,7 +14,7 @@
 #   $OUT/ws_ab.txt), and memcheck on the weights-first kernels (FP8 x FP4 and FP8 x FP8, one token)
 #   DG_RUN_WS_STAGE=1: then the FP8 x FP4 weights-first kernel's stage count (8 against 11: a CTA's bytes in
 #   flight) and plan forms 7 / 6 against the persistent kernel at n = 1 of the three shapes (two rounds),
-#   deepseek-v3 n = 1 under the read and no flush, the weights-first traces (--cold) at 8 and 11 stages,
+#   deepseek-v3 / mid n = 1 under each flush, the weights-first traces (--cold) at 8 and 11 stages,
 #   memcheck at 11 stages ($OUT/ws_stage.txt; docs/PERF.md sessions 52-53)
 #
 # .whl holds nvidia-cutlass (CuTe headers); .jit_cache holds kernels compiled on the CPU machine
@@ -109,12 +109,12 @@ if [ "${DG_RUN_WS_STAGE:-0}" = "1" ]; then
                     python3 scripts/time_fused.py $cases 2>&1 | tail -4
             done
         done
-        # Does the write flush's writeback set the pace? deepseek-v3 n = 1 under each flush
-        for flush in read none; do
+        # Does the write flush's writeback set the pace? deepseek-v3 and mid n = 1 under each flush
+        for flush in write read none; do
             for ws in 1 0; do
                 echo "=== flush $flush, DG_MEGA_MOE_WEIGHTS_FIRST=$ws"
-                DG_MEGA_MOE_WEIGHTS_FIRST=$ws timeout -k 5 90 python3 scripts/time_fused.py --flush $flush \
-                    fp8xfp4 7168 2048 256 8 1 fp8xfp8 7168 2048 256 8 1 2>&1 | tail -2
+                DG_MEGA_MOE_WEIGHTS_FIRST=$ws timeout -k 5 90 python3 scripts/time_fused.py --floor --flush $flush \
+                    fp8xfp4 7168 2048 256 8 1 fp8xfp8 7168 2048 256 8 1 fp8xfp8 2048 768 128 8 1 2>&1 | tail -4
             done
         done
         for st in 8 11; do
