@@ -16,6 +16,8 @@
 #   flight) and plan forms 7 / 6 against the persistent kernel at n = 1 of the three shapes (two rounds),
 #   deepseek-v3 / mid n = 1 under each flush, the weights-first traces (--cold) at 8 and 11 stages,
 #   memcheck at 11 stages ($OUT/ws_stage.txt; docs/PERF.md sessions 52-53)
+#   DG_RUN_WS_FORMS=1: then the weights-first plan forms 7 / 5 / 3 / 1 against the persistent kernel at v4-flash and
+#   deepseek-v3 n = 1, FP8 x FP4 and FP8 x FP8, two rounds, and a form-5 trace ($OUT/ws_forms.txt; PERF.md session 53)
 #
 # .whl holds nvidia-cutlass (CuTe headers); .jit_cache holds kernels compiled on the CPU machine
 # (`python scripts/prebuild_kernels.py`), so nvcc time is not spent on device time.
@@ -125,6 +127,23 @@ if [ "${DG_RUN_WS_STAGE:-0}" = "1" ]; then
             --format fp8xfp4 --tokens 1 --shape mid --sms 16 > /tmp/san.log 2>&1
         echo "memcheck weights-first [fp8xfp4, 11 stages, one token, mid]: exit $? $(grep -E 'ERROR SUMMARY|calc_diff' /tmp/san.log | tr '\n' ' ')"
     } 2>&1 | tee "$OUT/ws_stage.txt"
+fi
+if [ "${DG_RUN_WS_FORMS:-0}" = "1" ]; then
+    {
+        # The weights-first plan forms at v4-flash / deepseek-v3 n = 1 (FP8 x FP4 and FP8 x FP8): 7 (the
+        # default), 5 (L2 split into equal chunks over every CTA: no second wave of whole L2 chunks), 3 and 1,
+        # against the persistent kernel, two rounds interleaved; then the trace of FP8 x FP4 deepseek-v3 in form 5
+        cases="fp8xfp4 4096 2048 256 6 1 fp8xfp4 7168 2048 256 8 1 fp8xfp8 4096 2048 256 6 1 fp8xfp8 7168 2048 256 8 1"
+        for round in 1 2; do
+            for v in "1 7" "1 5" "1 3" "1 1" "0 7"; do
+                set -- $v
+                echo "=== round $round: DG_MEGA_MOE_WEIGHTS_FIRST=$1 DG_MEGA_MOE_WS_PLAN=$2"
+                DG_MEGA_MOE_WEIGHTS_FIRST=$1 DG_MEGA_MOE_WS_PLAN=$2 timeout -k 5 120 python3 scripts/time_fused.py $cases 2>&1 | tail -4
+            done
+        done
+        echo "=== trace, weights-first form 5, fp8xfp4 deepseek-v3 n = 1"
+        DG_MEGA_MOE_WEIGHTS_FIRST=1 DG_MEGA_MOE_WS_PLAN=5 timeout -k 5 90 python3 scripts/trace.py --cold fp8xfp4 7168 2048 256 8 1 2>&1 | tail -14
+    } 2>&1 | tee "$OUT/ws_forms.txt"
 fi
 if [ "${DG_RUN_OPERAND_PROBE:-0}" = "1" ]; then
     bash scripts/device_operand_probe.sh 2>&1 | tail -30
