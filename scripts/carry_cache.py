@@ -57,10 +57,10 @@ if req['helpers'] and os.path.isfile(os.path.join('tests', 'test_faults_gpu.py')
     import test_faults_gpu
     dirs += [test_faults_gpu.compile_helper(name) for name in test_faults_gpu.HELPER_KERNELS]
 # The weights-first kernels (on by default for one-token EP1 FP8 x FP8 / BF16 calls, FP8 x FP4 when asked;
-# tests/test_weights_first_gpu.py: FP8 x FP8 / BF16 at 5 or 6 stages, FP8 x FP4 at 11, and at 8 for
-# DG_MEGA_MOE_WS_STAGES=8; not among prebuild_kernels.py's persistent variants)
+# tests/test_weights_first_gpu.py: FP8 x FP8 / BF16 at 5 or 6 stages, FP8 x FP4 at 8; not among prebuild_kernels.py's
+# persistent variants)
 if req['helpers'] and hasattr(_C, 'get_mega_moe_ws_plan'):
-    ws = [(fmt, stages) for fmt in (1, 2) for stages in (5, 6)] + [(0, 11), (0, 8)]
+    ws = [(fmt, stages) for fmt in (1, 2) for stages in (5, 6)] + [(0, 8)]
     dirs += [_C.compile_mega_moe(fmt, 64, stages, True, 128, 64, False, False, True) for fmt, stages in ws]
 if _C.get_num_nvcc_invocations() != before and not req['compile']:
     sys.exit('kernels missing from the cache (compiled now): prebuild this tree first')

@@ -12,10 +12,10 @@
 #   DG_RUN_WS_AB=1: then the weights-first kernel against the persistent one at n = 1 (scripts/time_fused.py,
 #   two rounds interleaved: FP8 x FP4 forms 7 and 6, FP8 x FP8 forms 7 and 6, the persistent kernel;
 #   $OUT/ws_ab.txt), and memcheck on the weights-first kernels (FP8 x FP4 and FP8 x FP8, one token)
-#   DG_RUN_WS_STAGE=1: then the FP8 x FP4 weights-first kernel's stage count (8 against 11: a CTA's bytes in
+#   DG_RUN_WS_STAGE=1: then the FP8 x FP4 weights-first kernel's stage count (6 against 8: a CTA's bytes in
 #   flight) and plan forms 7 / 6 against the persistent kernel at n = 1 of the three shapes (two rounds),
-#   deepseek-v3 / mid n = 1 under each flush, the weights-first traces (--cold) at 8 and 11 stages,
-#   memcheck at 11 stages ($OUT/ws_stage.txt; docs/PERF.md sessions 52-53)
+#   deepseek-v3 / mid n = 1 under each flush, the weights-first traces (--cold) at 6 and 8 stages,
+#   memcheck ($OUT/ws_stage.txt; docs/PERF.md sessions 52-53)
 #   DG_RUN_WS_FORMS=1: then the weights-first plan forms 7 / 5 / 3 / 1 against the persistent kernel at v4-flash and
 #   deepseek-v3 n = 1, FP8 x FP4 and FP8 x FP8, two rounds, and a form-5 trace ($OUT/ws_forms.txt; PERF.md session 53)
 #
@@ -100,11 +100,11 @@ if [ "${DG_RUN_WS_AB:-0}" = "1" ]; then
 fi
 if [ "${DG_RUN_WS_STAGE:-0}" = "1" ]; then
     {
-        # FP8 x FP4 weights-first at 8 and 11 stages (its bytes in flight a CTA), plan forms 7 and 6,
-        # against the persistent kernel, n = 1 of the three shapes, two rounds interleaved
+        # FP8 x FP4 weights-first at 6 and 8 stages (its bytes in flight a CTA; session 53 ran 8 and 11 while
+        # the cap was 12), plan forms 7 and 6, against the persistent kernel, n = 1 of the three shapes, two rounds
         cases="fp8xfp4 2048 768 128 8 1 fp8xfp4 4096 2048 256 6 1 fp8xfp4 7168 2048 256 8 1"
         for round in 1 2; do
-            for v in "1 7 8" "1 7 11" "1 6 8" "1 6 11" "0 7 11"; do
+            for v in "1 7 6" "1 7 8" "1 6 6" "1 6 8" "0 7 8"; do
                 set -- $v
                 echo "=== round $round: DG_MEGA_MOE_WEIGHTS_FIRST=$1 DG_MEGA_MOE_WS_PLAN=$2 DG_MEGA_MOE_WS_STAGES=$3"
                 DG_MEGA_MOE_WEIGHTS_FIRST=$1 DG_MEGA_MOE_WS_PLAN=$2 DG_MEGA_MOE_WS_STAGES=$3 timeout -k 5 120 \
@@ -119,13 +119,13 @@ if [ "${DG_RUN_WS_STAGE:-0}" = "1" ]; then
                     fp8xfp4 7168 2048 256 8 1 fp8xfp8 7168 2048 256 8 1 fp8xfp8 2048 768 128 8 1 2>&1 | tail -4
             done
         done
-        for st in 8 11; do
+        for st in 6 8; do
             echo "=== trace, weights-first, fp8xfp4 deepseek-v3 n = 1, $st stages"
             DG_MEGA_MOE_WEIGHTS_FIRST=1 DG_MEGA_MOE_WS_STAGES=$st timeout -k 5 90 python3 scripts/trace.py --cold fp8xfp4 7168 2048 256 8 1 2>&1 | tail -30
         done
         DG_MEGA_MOE_WEIGHTS_FIRST=1 timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/one_launch.py \
             --format fp8xfp4 --tokens 1 --shape mid --sms 16 > /tmp/san.log 2>&1
-        echo "memcheck weights-first [fp8xfp4, 11 stages, one token, mid]: exit $? $(grep -E 'ERROR SUMMARY|calc_diff' /tmp/san.log | tr '\n' ' ')"
+        echo "memcheck weights-first [fp8xfp4, one token, mid]: exit $? $(grep -E 'ERROR SUMMARY|calc_diff' /tmp/san.log | tr '\n' ' ')"
     } 2>&1 | tee "$OUT/ws_stage.txt"
 fi
 if [ "${DG_RUN_WS_FORMS:-0}" = "1" ]; then

@@ -274,8 +274,8 @@ inline std::pair<MegaMoEConfig, SM90MegaMoEVariant> select_sm90_mega_moe_variant
     config.signals_thread = select_mega_moe_signals_thread(config);
     if (select_mega_moe_weights_first(mma_type, num_ranks, num_experts, num_tokens, num_topk, hidden, intermediate_hidden, max_smem_bytes)) {
         // The most stages that fit, or at most the tuning aid DG_MEGA_MOE_WS_STAGES (read once per process)
-        static const int ws_stages_cap = read_env_choice("DG_MEGA_MOE_WS_STAGES", {"3", "4", "5", "6", "7", "8", "9", "10", "11", "12"});
-        static_assert(kMegaMoEWsMinStages == 3 and kMegaMoEWsMaxStages == 12, "the stage counts DG_MEGA_MOE_WS_STAGES accepts");
+        static const int ws_stages_cap = read_env_choice("DG_MEGA_MOE_WS_STAGES", {"3", "4", "5", "6", "7", "8"});
+        static_assert(kMegaMoEWsMinStages == 3 and kMegaMoEWsMaxStages == 8, "the stage counts DG_MEGA_MOE_WS_STAGES accepts");
         config.num_stages = mega_moe_ws_stages(mma_type, hidden, intermediate_hidden, max_smem_bytes);
         if (ws_stages_cap > 0) config.num_stages = std::min(config.num_stages, ws_stages_cap);
         config.num_threads = mega_moe_ws_threads(mma_type);

@@ -223,10 +223,9 @@ static_assert(mega_moe_ws_stage_bytes(MmaType::kFP8xFP4) % 1024 == 0, "every sta
 constexpr int kMegaMoEWsNSideBytes = kMegaMoEWsMaxPairs * 128; // a K-block of the N side
 constexpr int kMegaMoEWsStageScaleBytes = 16;                  // a stage's two weight block scales (FP8), padded
 constexpr int kMegaMoEWsScalarBytes = 256;
-// FP8 x FP4's 17 KB stages: 10 fit at v4-flash / DeepSeek-V3, 11 at the mid shape (FP8 x FP8 and
-// BF16 fit 6 at most). A CTA's stages are its bytes in flight, which bound what it reads from a
-// flushed HBM (docs/PERF.md session 53)
-constexpr int kMegaMoEWsMaxStages = 12;
+// FP8 x FP4's 17 KB stages: 8 (11 would fit at every shape, but timed no faster, 4-5 % slower with
+// split L1 tiles: docs/PERF.md session 53); FP8 x FP8 and BF16 fit 6 at most
+constexpr int kMegaMoEWsMaxStages = 8;
 constexpr int kMegaMoEWsMinStages = 3;
 // Its shared memory, the one place the kernel's carve-up and the launch's size come from: offsets
 // from the 1024-aligned base of the stages' weight tiles (0), their N-side K-blocks, the pairs' rows
