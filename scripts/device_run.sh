@@ -133,16 +133,20 @@ if [ "${DG_RUN_WS_FORMS:-0}" = "1" ]; then
         # The weights-first plan forms at v4-flash / deepseek-v3 n = 1 (FP8 x FP4 and FP8 x FP8): 7 (the
         # default), 5 (L2 split into equal chunks over every CTA: no second wave of whole L2 chunks), 3 and 1,
         # against the persistent kernel, two rounds interleaved; then the trace of FP8 x FP4 deepseek-v3 in form 5
-        cases="fp8xfp4 4096 2048 256 6 1 fp8xfp4 7168 2048 256 8 1 fp8xfp8 4096 2048 256 6 1 fp8xfp8 7168 2048 256 8 1"
+        # (DG_WS_FORMS_CASES / DG_WS_FORMS: other cases / forms, e.g. the mid shape's BF16 row)
+        cases=${DG_WS_FORMS_CASES:-"fp8xfp4 4096 2048 256 6 1 fp8xfp4 7168 2048 256 8 1 fp8xfp8 4096 2048 256 6 1 fp8xfp8 7168 2048 256 8 1"}
+        forms=${DG_WS_FORMS:-"7 5 3 1"}
         for round in 1 2; do
-            for v in "1 7" "1 5" "1 3" "1 1" "0 7"; do
-                set -- $v
+            for v in $(for f in $forms; do echo "1:$f"; done) "0:7"; do
+                set -- ${v/:/ }
                 echo "=== round $round: DG_MEGA_MOE_WEIGHTS_FIRST=$1 DG_MEGA_MOE_WS_PLAN=$2"
-                DG_MEGA_MOE_WEIGHTS_FIRST=$1 DG_MEGA_MOE_WS_PLAN=$2 timeout -k 5 120 python3 scripts/time_fused.py $cases 2>&1 | tail -4
+                DG_MEGA_MOE_WEIGHTS_FIRST=$1 DG_MEGA_MOE_WS_PLAN=$2 timeout -k 5 120 python3 scripts/time_fused.py $cases 2>&1 | grep " us$"
             done
         done
-        echo "=== trace, weights-first form 5, fp8xfp4 deepseek-v3 n = 1"
-        DG_MEGA_MOE_WEIGHTS_FIRST=1 DG_MEGA_MOE_WS_PLAN=5 timeout -k 5 90 python3 scripts/trace.py --cold fp8xfp4 7168 2048 256 8 1 2>&1 | tail -14
+        if [ -z "${DG_WS_FORMS_CASES:-}" ]; then
+            echo "=== trace, weights-first form 5, fp8xfp4 deepseek-v3 n = 1"
+            DG_MEGA_MOE_WEIGHTS_FIRST=1 DG_MEGA_MOE_WS_PLAN=5 timeout -k 5 90 python3 scripts/trace.py --cold fp8xfp4 7168 2048 256 8 1 2>&1 | tail -14
+        fi
     } 2>&1 | tee "$OUT/ws_forms.txt"
 fi
 if [ "${DG_RUN_OPERAND_PROBE:-0}" = "1" ]; then
