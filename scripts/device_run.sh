@@ -18,6 +18,8 @@
 #   memcheck ($OUT/ws_stage.txt; docs/PERF.md sessions 52-53)
 #   DG_RUN_WS_FORMS=1: then the weights-first plan forms 7 / 5 / 3 / 1 against the persistent kernel at v4-flash and
 #   deepseek-v3 n = 1, FP8 x FP4 and FP8 x FP8, two rounds, and a form-5 trace ($OUT/ws_forms.txt; PERF.md session 53)
+#   DG_RUN_WS_STAGE_LOG=1: then the weights-first stage log (trace.py --tasks) at deepseek-v3 n = 1, both FP8
+#   formats: per unit of a CTA's first L1 / L2 chunk, issue, arrival, release ($OUT/ws_stage_log.txt)
 #
 # .whl holds nvidia-cutlass (CuTe headers); .jit_cache holds kernels compiled on the CPU machine
 # (`python scripts/prebuild_kernels.py`), so nvcc time is not spent on device time.
@@ -148,6 +150,16 @@ if [ "${DG_RUN_WS_FORMS:-0}" = "1" ]; then
             DG_MEGA_MOE_WEIGHTS_FIRST=1 DG_MEGA_MOE_WS_PLAN=5 timeout -k 5 90 python3 scripts/trace.py --cold fp8xfp4 7168 2048 256 8 1 2>&1 | tail -14
         fi
     } 2>&1 | tee "$OUT/ws_forms.txt"
+fi
+if [ "${DG_RUN_WS_STAGE_LOG:-0}" = "1" ]; then
+    {
+        # The weights-first kernel's stage log (its `_tasklog` variants, compiled here in seconds): the first
+        # 16 units of each CTA's first L1 and L2 chunks, deepseek-v3 n = 1, both FP8 formats, cold
+        for fmt in fp8xfp4 fp8xfp8; do
+            echo "=== stage log, weights-first, $fmt deepseek-v3 n = 1"
+            DG_MEGA_MOE_WEIGHTS_FIRST=1 timeout -k 5 120 python3 scripts/trace.py --tasks --cold $fmt 7168 2048 256 8 1 2>&1 | tail -40
+        done
+    } 2>&1 | tee "$OUT/ws_stage_log.txt"
 fi
 if [ "${DG_RUN_OPERAND_PROBE:-0}" = "1" ]; then
     bash scripts/device_operand_probe.sh 2>&1 | tail -30

@@ -18,7 +18,9 @@ between a CTA's tasks and the CTAs that end last; also the first K-blocks of eac
 --tasks-light (DG_MEGA_MOE_TASK_LOG=2): the per-task stamps only (no per-K-block stamps: those of
 --tasks slow the producer thread until it is the decode K-loop's slow side, so that its kernel runs
 ~25 % slower at v4-flash FP8 x FP4 n = 8; the light one runs at the untraced kernel's time,
-docs/PERF.md session 21). Prebuild those variants with the same variable set.
+docs/PERF.md session 21). Prebuild those variants with the same variable set. A weights-first call
+(DG_MEGA_MOE_WEIGHTS_FIRST) with --tasks prints its stage log instead (print_ws_stage_log: the first
+16 units of each CTA's first L1 and L2 chunks).
 """
 import dataclasses
 import os
@@ -87,6 +89,9 @@ def trace_case(fmt, h, i, e, k, n, reps=3, flush=None, code_warm=False):
             q = torch.quantile(col, torch.tensor([0.1, 0.9], dtype=col.dtype)).tolist()
             print(f'{name:>14}: {col.numel():4d} CTAs  min {col.min():8.2f}  p10 {q[0]:8.2f}  median {col.median():8.2f}  '
                   f'p90 {q[1]:8.2f}  max {col.max():8.2f} us')
+    if ws:
+        print_ws_stage_log(t, t0)
+        return
     # K-block cadence of the first L1 task, on the CTA that started L1 first
     kb_slots = _C.kTraceKbSlots
     ready = t[:, _C.kTraceKbReady:_C.kTraceKbReady + kb_slots]
@@ -106,6 +111,37 @@ def trace_case(fmt, h, i, e, k, n, reps=3, flush=None, code_warm=False):
                 print(f'  CTA {int(r)} last L1 task {name:>10}: {fmt_us(v)}')
     if os.environ.get('DG_MEGA_MOE_TASK_LOG') in ('1', '2'):
         print_task_log(t, t0)
+
+
+def print_ws_stage_log(t, t0):
+    """The weights-first kernel's stage log (its `_tasklog` variants, --tasks; kWsStageLog in
+    impls/sm90_mega_moe_ws.cuh): per CTA the first 16 units of its first L1 chunk (issued, the math had
+    it) and of its first L2 chunk (the producer had the stage free, issued it, the math had it and
+    released it), for the CTAs whose chunk's first unit was ready first, at the median and last; then,
+    over every logged CTA, the spread of issue -> ready and of the math's pace between units (us)."""
+    kb = _C.kTraceKbSlots
+    phases = (('L1', (('issued', _C.kTraceKbIssue), ('ready', _C.kTraceKbReady))),
+              ('L2', (('stage free', _C.kTraceKbLastFree), ('issued', _C.kTraceKbLastIssue), ('ready', _C.kTraceKbLastReady),
+                      ('released', _C.kTraceKbLastRelease))))
+    fmt_us = lambda v: ' '.join(f'{(x - t0) / 1e3:6.2f}' if x > 0 else '     -' for x in v.tolist())
+    for phase, rows in phases:
+        cols = {name: t[:, s:s + kb] for name, s in rows}
+        ready, issued = cols['ready'], cols['issued']
+        ctas = (ready[:, 0] > 0).nonzero().flatten()
+        if not ctas.numel():
+            continue
+        order = ctas[ready[ctas, 0].argsort()]
+        for label, c in (('first', order[0]), ('median', order[order.numel() // 2]), ('last', order[-1])):
+            for name, v in cols.items():
+                print(f'  {phase} chunk, CTA {int(c):3d} ({label:>6}) {name:>10}: {fmt_us(v[c])}')
+        both = (ready[ctas] > 0) & (issued[ctas] > 0)
+        lat = ((ready[ctas] - issued[ctas]).double() / 1e3)[both]
+        pace = (ready[ctas, 1:] - ready[ctas, :-1]).double() / 1e3
+        pace = pace[(ready[ctas, 1:] > 0) & (ready[ctas, :-1] > 0)]
+        if lat.numel():
+            print(f'  {phase} issue -> ready:     {_quantiles(lat.tolist())} us')
+        if pace.numel():
+            print(f'  {phase} ready -> next ready: {_quantiles(pace.tolist())} us')
 
 
 def _quantiles(v):

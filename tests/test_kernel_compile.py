@@ -429,6 +429,27 @@ def test_weights_first_kernel_compiles_for_sm90a(fmt, stages, fast, requires_nvc
         assert 'PRMT' in sass and 'UBLKCP' in sass
 
 
+# DG_MEGA_MOE_TASK_LOG=1 (read once per process: a child) builds the weights-first kernel's `_tasklog`
+# variant with its stage log (scripts/trace.py --tasks); the stamps stay out of every other variant
+def test_weights_first_tasklog_variant_compiles(requires_nvcc):
+    script = r'''
+import json
+from deep_gemm import _C
+print(json.dumps([_C.compile_mega_moe(fmt, 64, stages, True, 128, 64, False, False, True) for fmt, stages in ((0, 8), (1, 6))]))
+'''
+    env = dict(os.environ, DG_MEGA_MOE_TASK_LOG='1', PYTHONPATH=ROOT + os.pathsep + os.environ.get('PYTHONPATH', ''))
+    out = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, check=True, cwd=ROOT, env=env)
+    for kernel_dir, fmt in zip(json.loads(out.stdout.strip().splitlines()[-1]), ('fp8xfp4', 'fp8xfp8')):
+        assert os.path.basename(kernel_dir).startswith(f'sm90_mega_moe_ws_{fmt}_s')
+        assert '_fast_tasklog_' in os.path.basename(kernel_dir)
+        sass = _sass_of(kernel_dir)
+        assert 'QGMMA' in sass and not re.search(r'\b(LDL|STL)\b', sass)
+        # the stage log's stamps: more %globaltimer reads than the untraced kernel's
+        plain = _C.compile_mega_moe(mma_type_to_int(fmt), 64, 8 if fmt == 'fp8xfp4' else 6, True, 128, 64, False, False, True)
+        assert '_tasklog' not in plain
+        assert sass.count('GLOBALTIMER') > _sass_of(plain).count('GLOBALTIMER')
+
+
 def test_weights_first_variant_is_picked_only_where_it_can_run():
     # DG_MEGA_MOE_WEIGHTS_FIRST is read once per process: a child process with it set
     script = r'''

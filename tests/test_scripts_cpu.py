@@ -95,6 +95,39 @@ def _load_trace_script():
     return module
 
 
+def test_trace_ws_stage_log(capsys):
+    """scripts/trace.py --tasks on a weights-first call reads the stage log as its `_tasklog` kernel writes
+    it (kWsStageLog: the first 16 units of each CTA's first L1 chunk at kTraceKbIssue / kTraceKbReady,
+    of its first L2 chunk at kTraceKbLastFree / LastIssue / LastReady / LastRelease) and reports the
+    first, median and last CTA and the spread of issue -> ready and of the math's pace."""
+    import torch
+    from deep_gemm import _C
+    trace = _load_trace_script()
+    kb = _C.kTraceKbSlots
+    assert kb == 16 and _C.kTraceKbLastRelease + kb <= _C.kTraceSlots
+    t = torch.zeros(4, _C.kTraceSlots, dtype=torch.int64)
+    t[:, 0] = 10_000
+    for c in range(4):
+        for u in range(kb):   # L1: issued every 1 us from 13 us (+0.5 a CTA), ready 2 us after its issue
+            t[c, _C.kTraceKbIssue + u] = 13_000 + 500 * c + 1_000 * u
+            t[c, _C.kTraceKbReady + u] = 15_000 + 500 * c + 1_000 * u
+        if c < 3:   # L2 (three CTAs): free, issued 0.1 later, ready 3 us after issue, released 0.25 later, every 1.5 us
+            for u in range(kb):
+                base = 40_000 + 1_000 * c + 1_500 * u
+                t[c, _C.kTraceKbLastFree + u], t[c, _C.kTraceKbLastIssue + u] = base, base + 100
+                t[c, _C.kTraceKbLastReady + u], t[c, _C.kTraceKbLastRelease + u] = base + 3_100, base + 3_350
+    trace.print_ws_stage_log(t, 10_000)
+    out = capsys.readouterr().out
+    lines = [l for l in out.splitlines() if l.strip()]
+    assert sum('L1 chunk' in l for l in lines) == 3 * 2 and sum('L2 chunk' in l for l in lines) == 3 * 4
+    assert 'L1 chunk, CTA   0 ( first)      ready:   5.00   6.00' in out
+    assert 'L2 chunk, CTA   2 (  last)   released:  35.35' in out
+    stats = {l.split(':')[0].strip(): l for l in lines if 'median' in l}
+    assert 'n    64' in stats['L1 issue -> ready'] and 'median    2.00' in stats['L1 issue -> ready']
+    assert 'n    48' in stats['L2 issue -> ready'] and 'median    3.00' in stats['L2 issue -> ready']
+    assert 'median    1.50' in stats['L2 ready -> next ready'] and 'median    1.00' in stats['L1 ready -> next ready']
+
+
 def test_trace_task_log_summary(capsys):
     """scripts/trace.py --tasks reads the task log as the kernel writes it (kTraceTaskBase, one slot a
     TraceTaskStamp: the math's id word, got, first L1 stage, K-loop end, epilogue end; the producer's

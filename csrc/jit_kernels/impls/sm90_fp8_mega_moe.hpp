@@ -85,6 +85,7 @@ struct SM90MegaMoEVariant {
         std::ostringstream os;
         if (weights_first) {
             os << "sm90_mega_moe_ws_" << kNames[static_cast<int>(mma_type)] << "_s" << num_stages << (fast_math ? "_fast" : "_exact");
+            if (task_log() == 1) os << "_tasklog";   // its stage log (kWsStageLog); level 2 has nothing for it
             return os.str();
         }
         os << "sm90_mega_moe_" << kNames[static_cast<int>(mma_type)] << "_m" << block_m << "_n" << block_n_l2
@@ -98,7 +99,8 @@ struct SM90MegaMoEVariant {
     }
 
     // DG_MEGA_MOE_TASK_LOG=1 (read once per process): every kernel variant is built with the trace's
-    // task log (scripts/trace.py --tasks), a development aid kept out of the others' SASS; =2: the
+    // task log (scripts/trace.py --tasks; the weights-first kernel: its stage log), a development aid
+    // kept out of the others' SASS; =2: the
     // task log's per-task stamps only, without any per-K-block stamp (trace.py --tasks-light: the
     // untraced kernel's pace). The kernel header reads the level (kTaskLog, kTaskLogKBlocks)
     static int task_log() {
@@ -110,6 +112,7 @@ struct SM90MegaMoEVariant {
         check();
         std::ostringstream os;
         if (weights_first) {
+            if (task_log() == 1) os << "#define DG_MEGA_MOE_TASK_LOG 1\n";
             os << "#include <deep_gemm/impls/sm90_mega_moe_ws.cuh>\n\n"
                << "DG_DEFINE_SM90_MEGA_MOE_WS_KERNEL(sm90_mega_moe, " << mma_type_cpp_name(mma_type) << ", " << num_stages << ", "
                << (fast_math ? "true" : "false") << ")\n";

@@ -62,6 +62,12 @@ enum WsTraceSlot : int {
     kWsTraceStart = 0, kWsTraceRouting, kWsTraceFirstIssue, kWsTraceFirstStage, kWsTraceL1Consumed, kWsTraceL1Epilogue,
     kWsTraceL1Waited, kWsTraceHLoaded, kWsTraceL2Consumed, kWsTraceYWritten, kWsTraceExit, kWsTraceSlots
 };
+// Task-log variants only (DG_MEGA_MOE_TASK_LOG=1: `_tasklog`, scripts/trace.py --tasks; the other
+// variants' SASS carries none of it): per CTA, the first kTraceKbSlots units of its first L1 chunk
+// (issued: kTraceKbIssue, the math had it: kTraceKbReady) and of its first L2 chunk (the producer had
+// the stage free: kTraceKbLastFree, issued: kTraceKbLastIssue, the math had it: kTraceKbLastReady,
+// released it: kTraceKbLastRelease), by the unit's place in its chunk
+constexpr bool kWsStageLog = sm90_mega_moe::kTaskLogKBlocks;
 
 struct WsShared {
     SharedControl ctrl;
@@ -219,6 +225,7 @@ struct WsKernel {
         const int rows1 = 2 * lay.intermediate_hidden;
         uint32_t it = 0;
         bool l2_cleared = not plan.l2_after_l1;
+        int logged = 0;   // stage log: bit 0 the first L1 chunk is logged, bit 1 the first L2 chunk
         while (ticket < total) {
             const bool l2 = ticket >= plan.chunks1;
             const int k = l2 ? ticket - plan.chunks1 : ticket;
@@ -228,9 +235,13 @@ struct WsKernel {
                 if (not wait_l1_issued(plan)) return;
                 l2_cleared = true;
             }
+            const bool stage_log = kWsStageLog and not (logged & (l2 ? 2 : 1));
+            if constexpr (kWsStageLog) logged |= l2 ? 2 : 1;
             for (int u = k * s_units; u < u_end; ++u, ++it) {
                 const int s = static_cast<int>(it % kNumStages);
                 if (not wait_bar(empty + s, ((it / kNumStages) & 1) ^ 1)) return;
+                const int pos = u - k * s_units;   // the unit's place in its chunk (stage log)
+                if (stage_log and l2 and pos < kTraceKbSlots) trace(kTraceKbLastFree + pos);
                 words[s] = (l2 ? kWsPhaseL2 : 0u) | static_cast<uint32_t>(u);
                 int kb, row;
                 const float* wsf;
@@ -272,6 +283,7 @@ struct WsKernel {
                 }
                 if (not l2) tma_load_2d(acts + s * kWsActBytes, tm_x, full + s, kb * BLOCK_K, 0);
                 if (it == 0) trace(kWsTraceFirstIssue);
+                if (stage_log and pos < kTraceKbSlots) trace((l2 ? kTraceKbLastIssue : kTraceKbIssue) + pos);
             }
             if (not l2 and plan.l2_after_l1) red_release_gpu_add(counts() + L::kWsCountL1Issued, 1);
             // The next claim waits for a free stage: by then every resident CTA has drawn its first
@@ -546,6 +558,7 @@ struct WsKernel {
         const uint32_t table = kFP4 ? smem_addr(fp4_table) : 0u;
         int h_slot = -1;        // whose pairs' rows h_tile holds
         uint32_t h_phase = 0;   // loads of h_tile so far
+        int log_chunk1 = -1, log_chunk2 = -1;   // stage log: the first L1 / L2 chunk this CTA's math saw
         for (uint32_t it = 0;; ++it) {
             const int s = static_cast<int>(it % kNumStages);
             if (not wait_bar(full + s, (it / kNumStages) & 1)) return;
@@ -554,6 +567,17 @@ struct WsKernel {
             if (it == 0 and th.tid == 0) trace(kWsTraceFirstStage);
             const int u = static_cast<int>(word & (kWsPhaseL2 - 1));
             const float ws0 = kFP8 ? stage_wsf[kStageScaleFloats * s] : 1.0f, ws1 = kFP8 ? stage_wsf[kStageScaleFloats * s + 1] : 1.0f;
+            // Stage log: this unit's place in its chunk, if the chunk is the CTA's first of its phase (else -1)
+            int log_pos = -1;
+            if constexpr (kWsStageLog) {
+                const bool l2 = (word & kWsPhaseL2) != 0;
+                const int su = l2 ? plan.s2 : plan.s1, chunk = u / su;
+                if (l2 and log_chunk2 < 0) log_chunk2 = chunk;
+                if (not l2 and log_chunk1 < 0) log_chunk1 = chunk;
+                const int first = l2 ? log_chunk2 : log_chunk1;
+                if (chunk == first and u - chunk * su < kTraceKbSlots) log_pos = u - chunk * su;
+                if (log_pos >= 0 and th.tid == 0) trace((l2 ? kTraceKbLastReady : kTraceKbReady) + log_pos);
+            }
             if (not (word & kWsPhaseL2)) {
                 const int kb = u % plan.kb1, tile = u / plan.kb1;
                 const bool first = kb == 0 or u % plan.s1 == 0;
@@ -599,6 +623,7 @@ struct WsKernel {
                 stage_mma(stages + s * kWsStageBytes, h_tile + kb * kWsActBytes, part, false, th, table);
                 if (th.lane == 0) mbarrier_arrive(empty + s);
                 if (th.tid == 0) trace(kWsTraceL2Consumed);
+                if (kWsStageLog and log_pos >= 0 and th.tid == 0) trace(kTraceKbLastRelease + log_pos);
                 // Column c of the product counts only where pair c belongs to this unit's expert (the
                 // other columns hold other experts' pairs, or rows no pair wrote: a select, never a multiply)
                 const bool m0 = sh->pair_slot[th.c0] == j, m1 = sh->pair_slot[th.c0 + 1] == j;
