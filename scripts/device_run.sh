@@ -19,7 +19,8 @@
 #   DG_RUN_WS_FORMS=1: then the weights-first plan forms 7 / 5 / 3 / 1 against the persistent kernel at v4-flash and
 #   deepseek-v3 n = 1, FP8 x FP4 and FP8 x FP8, two rounds, and a form-5 trace ($OUT/ws_forms.txt; PERF.md session 53)
 #   DG_RUN_WS_STAGE_LOG=1: then the weights-first stage log (trace.py --tasks) at deepseek-v3 n = 1, both FP8
-#   formats: per unit of a CTA's first L1 / L2 chunk, issue, arrival, release ($OUT/ws_stage_log.txt)
+#   formats, and mid FP8 x FP8 n = 1: per unit of a CTA's first L1 / L2 chunk, issue, arrival, release
+#   ($OUT/ws_stage_log.txt)
 #
 # .whl holds nvidia-cutlass (CuTe headers); .jit_cache holds kernels compiled on the CPU machine
 # (`python scripts/prebuild_kernels.py`), so nvcc time is not spent on device time.
@@ -154,10 +155,11 @@ fi
 if [ "${DG_RUN_WS_STAGE_LOG:-0}" = "1" ]; then
     {
         # The weights-first kernel's stage log (its `_tasklog` variants, compiled here in seconds): the first
-        # 16 units of each CTA's first L1 and L2 chunks, deepseek-v3 n = 1, both FP8 formats, cold
-        for fmt in fp8xfp4 fp8xfp8; do
-            echo "=== stage log, weights-first, $fmt deepseek-v3 n = 1"
-            DG_MEGA_MOE_WEIGHTS_FIRST=1 timeout -k 5 120 python3 scripts/trace.py --tasks --cold $fmt 7168 2048 256 8 1 2>&1 | tail -40
+        # 16 units of each CTA's first L1 and L2 chunks, deepseek-v3 n = 1, both FP8 formats, and mid FP8 x
+        # FP8 n = 1 (when its L2 weights arrive against when its math wants them), cold
+        for c in "fp8xfp4 7168 2048 256 8 1" "fp8xfp8 7168 2048 256 8 1" "fp8xfp8 2048 768 128 8 1"; do
+            echo "=== stage log, weights-first, $c"
+            DG_MEGA_MOE_WEIGHTS_FIRST=1 timeout -k 5 120 python3 scripts/trace.py --tasks --cold $c 2>&1 | tail -40
         done
     } 2>&1 | tee "$OUT/ws_stage_log.txt"
 fi
