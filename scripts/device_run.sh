@@ -86,34 +86,39 @@ esac
 if [ "${DG_RUN_HOST_OVERHEAD:-0}" = "1" ]; then
     timeout -k 5 120 python3 scripts/host_overhead.py 2>&1 | tee "$OUT/host_overhead.txt" | tail -8
 fi
-if [ "${DG_RUN_WS_AB:-0}" = "1" ]; then
-    cases="fp8xfp4 2048 768 128 8 1 fp8xfp4 4096 2048 256 6 1 fp8xfp4 7168 2048 256 8 1 fp8xfp8 2048 768 128 8 1 fp8xfp8 4096 2048 256 6 1"
+# Two rounds, interleaved: each configuration (VAR=value settings joined by commas) times the cases
+# (scripts/time_fused.py: fmt hidden inter experts topk n ...)
+ab_rounds() {   # ab_rounds "<cases>" config...
+    local cases=$1 round cfg
+    shift
     for round in 1 2; do
-        for v in "1 7" "1 6" "0 7"; do
-            set -- $v
-            echo "=== round $round: DG_MEGA_MOE_WEIGHTS_FIRST=$1 DG_MEGA_MOE_WS_PLAN=$2"
-            DG_MEGA_MOE_WEIGHTS_FIRST=$1 DG_MEGA_MOE_WS_PLAN=$2 timeout -k 5 120 python3 scripts/time_fused.py $cases 2>&1 | tail -6
+        for cfg in "$@"; do
+            echo "=== round $round: ${cfg//,/ }"
+            env ${cfg//,/ } timeout -k 5 120 python3 scripts/time_fused.py $cases 2>&1 | grep " us$"
         done
-    done 2>&1 | tee "$OUT/ws_ab.txt"
-    for fmt in fp8xfp4 fp8xfp8; do
-        DG_MEGA_MOE_WEIGHTS_FIRST=1 timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/one_launch.py \
-            --format $fmt --tokens 1 --shape mid --sms 16 > /tmp/san.log 2>&1
-        echo "memcheck weights-first [$fmt, one token, mid]: exit $? $(grep -E 'ERROR SUMMARY|calc_diff' /tmp/san.log | tr '\n' ' ')" | tee -a "$OUT/ws_ab.txt"
     done
+}
+# memcheck on the weights-first kernel of a format, mid shape, one token, 16 CTAs
+ws_memcheck() {   # ws_memcheck fmt
+    DG_MEGA_MOE_WEIGHTS_FIRST=1 timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/one_launch.py \
+        --format "$1" --tokens 1 --shape mid --sms 16 > /tmp/san.log 2>&1
+    echo "memcheck weights-first [$1, one token, mid]: exit $? $(grep -E 'ERROR SUMMARY|calc_diff' /tmp/san.log | tr '\n' ' ')"
+}
+if [ "${DG_RUN_WS_AB:-0}" = "1" ]; then
+    {
+        ab_rounds "fp8xfp4 2048 768 128 8 1 fp8xfp4 4096 2048 256 6 1 fp8xfp4 7168 2048 256 8 1 fp8xfp8 2048 768 128 8 1 fp8xfp8 4096 2048 256 6 1" \
+            DG_MEGA_MOE_WEIGHTS_FIRST=1,DG_MEGA_MOE_WS_PLAN=7 DG_MEGA_MOE_WEIGHTS_FIRST=1,DG_MEGA_MOE_WS_PLAN=6 DG_MEGA_MOE_WEIGHTS_FIRST=0
+        ws_memcheck fp8xfp4
+        ws_memcheck fp8xfp8
+    } 2>&1 | tee "$OUT/ws_ab.txt"
 fi
 if [ "${DG_RUN_WS_STAGE:-0}" = "1" ]; then
     {
         # FP8 x FP4 weights-first at 6 and 8 stages (its bytes in flight a CTA; session 53 ran 8 and 11 while
-        # the cap was 12), plan forms 7 and 6, against the persistent kernel, n = 1 of the three shapes, two rounds
-        cases="fp8xfp4 2048 768 128 8 1 fp8xfp4 4096 2048 256 6 1 fp8xfp4 7168 2048 256 8 1"
-        for round in 1 2; do
-            for v in "1 7 6" "1 7 8" "1 6 6" "1 6 8" "0 7 8"; do
-                set -- $v
-                echo "=== round $round: DG_MEGA_MOE_WEIGHTS_FIRST=$1 DG_MEGA_MOE_WS_PLAN=$2 DG_MEGA_MOE_WS_STAGES=$3"
-                DG_MEGA_MOE_WEIGHTS_FIRST=$1 DG_MEGA_MOE_WS_PLAN=$2 DG_MEGA_MOE_WS_STAGES=$3 timeout -k 5 120 \
-                    python3 scripts/time_fused.py $cases 2>&1 | tail -4
-            done
-        done
+        # the cap was 12), plan forms 7 and 6, against the persistent kernel, n = 1 of the three shapes
+        ab_rounds "fp8xfp4 2048 768 128 8 1 fp8xfp4 4096 2048 256 6 1 fp8xfp4 7168 2048 256 8 1" \
+            $(for v in 7,6 7,8 6,6 6,8; do echo "DG_MEGA_MOE_WEIGHTS_FIRST=1,DG_MEGA_MOE_WS_PLAN=${v%,*},DG_MEGA_MOE_WS_STAGES=${v#*,}"; done) \
+            DG_MEGA_MOE_WEIGHTS_FIRST=0
         # Does the write flush's writeback set the pace? deepseek-v3 and mid n = 1 under each flush
         for flush in write read none; do
             for ws in 1 0; do
@@ -126,26 +131,17 @@ if [ "${DG_RUN_WS_STAGE:-0}" = "1" ]; then
             echo "=== trace, weights-first, fp8xfp4 deepseek-v3 n = 1, $st stages"
             DG_MEGA_MOE_WEIGHTS_FIRST=1 DG_MEGA_MOE_WS_STAGES=$st timeout -k 5 90 python3 scripts/trace.py --cold fp8xfp4 7168 2048 256 8 1 2>&1 | tail -30
         done
-        DG_MEGA_MOE_WEIGHTS_FIRST=1 timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/one_launch.py \
-            --format fp8xfp4 --tokens 1 --shape mid --sms 16 > /tmp/san.log 2>&1
-        echo "memcheck weights-first [fp8xfp4, one token, mid]: exit $? $(grep -E 'ERROR SUMMARY|calc_diff' /tmp/san.log | tr '\n' ' ')"
+        ws_memcheck fp8xfp4
     } 2>&1 | tee "$OUT/ws_stage.txt"
 fi
 if [ "${DG_RUN_WS_FORMS:-0}" = "1" ]; then
     {
         # The weights-first plan forms at v4-flash / deepseek-v3 n = 1 (FP8 x FP4 and FP8 x FP8): 7 (the
         # default), 5 (L2 split into equal chunks over every CTA: no second wave of whole L2 chunks), 3 and 1,
-        # against the persistent kernel, two rounds interleaved; then the trace of FP8 x FP4 deepseek-v3 in form 5
+        # against the persistent kernel; then the trace of FP8 x FP4 deepseek-v3 in form 5
         # (DG_WS_FORMS_CASES / DG_WS_FORMS: other cases / forms, e.g. the mid shape's BF16 row)
-        cases=${DG_WS_FORMS_CASES:-"fp8xfp4 4096 2048 256 6 1 fp8xfp4 7168 2048 256 8 1 fp8xfp8 4096 2048 256 6 1 fp8xfp8 7168 2048 256 8 1"}
-        forms=${DG_WS_FORMS:-"7 5 3 1"}
-        for round in 1 2; do
-            for v in $(for f in $forms; do echo "1:$f"; done) "0:7"; do
-                set -- ${v/:/ }
-                echo "=== round $round: DG_MEGA_MOE_WEIGHTS_FIRST=$1 DG_MEGA_MOE_WS_PLAN=$2"
-                DG_MEGA_MOE_WEIGHTS_FIRST=$1 DG_MEGA_MOE_WS_PLAN=$2 timeout -k 5 120 python3 scripts/time_fused.py $cases 2>&1 | grep " us$"
-            done
-        done
+        ab_rounds "${DG_WS_FORMS_CASES:-fp8xfp4 4096 2048 256 6 1 fp8xfp4 7168 2048 256 8 1 fp8xfp8 4096 2048 256 6 1 fp8xfp8 7168 2048 256 8 1}" \
+            $(for f in ${DG_WS_FORMS:-7 5 3 1}; do echo "DG_MEGA_MOE_WEIGHTS_FIRST=1,DG_MEGA_MOE_WS_PLAN=$f"; done) DG_MEGA_MOE_WEIGHTS_FIRST=0
         if [ -z "${DG_WS_FORMS_CASES:-}" ]; then
             echo "=== trace, weights-first form 5, fp8xfp4 deepseek-v3 n = 1"
             DG_MEGA_MOE_WEIGHTS_FIRST=1 DG_MEGA_MOE_WS_PLAN=5 timeout -k 5 90 python3 scripts/trace.py --cold fp8xfp4 7168 2048 256 8 1 2>&1 | tail -14
