@@ -91,6 +91,12 @@ def test_y_not_contiguous(case):
     case.reject(ValueError, 'y must be contiguous', y=torch.zeros(H, N, dtype=torch.bfloat16).t())
 
 
+def test_y_misaligned(case):
+    # the combine writes y's rows 16 bytes at a time: a view at an odd offset is refused on the host
+    y = torch.full((N * H + 1,), 7.0, dtype=torch.bfloat16)[1:].view(N, H)
+    case.reject(ValueError, r'y must start at a 16-byte aligned address, got data_ptr\(\) % 16 = 2', y=y)
+
+
 def test_y_wrong_device(case):
     case.reject(ValueError, "y must be on cpu", y=torch.zeros(N, H, dtype=torch.bfloat16, device='meta'))
 
@@ -265,6 +271,27 @@ def test_weight_moved_after_a_call_is_checked_again(case):
     case.reject(TypeError, r'l1_weights.*must be torch\.(bfloat16|float8_e4m3fn|uint8), got torch\.float32')
 
 
+def test_weight_relaid_out_at_the_same_address_is_checked_again(case):
+    # a transposed view at the same address (same data_ptr, other strides) is not what was checked
+    case.reject(RuntimeError, 'SM90')
+    w = _first(case.l2)
+    w.data = w.data.transpose(-1, -2)
+    case.reject(ValueError, r'l2_weights.*must have shape')
+
+
+def test_weights_in_a_tuple_subclass(monkeypatch, case):
+    # a namedtuple of weights is as good as a tuple, and is remembered too
+    if case.mma_type == 'bf16xbf16':
+        pytest.skip('BF16 weights are one tensor each, not a tuple')
+    import collections
+    fields = ('a', 'b', 'c')[:len(case.l1)]
+    Weights = collections.namedtuple('Weights', fields)
+    checks = _CheckCounter(monkeypatch)
+    for _ in range(2):
+        case.reject(RuntimeError, 'SM90', l1_weights=Weights(*case.l1), l2_weights=Weights(*case.l2))
+    assert checks.calls == 2
+
+
 def test_weight_freed_and_replaced_is_checked_again(case):
     case.reject(RuntimeError, 'SM90')
     assert len(case.buf._checked_weights) == 1
@@ -377,11 +404,17 @@ def test_timeout_setting(monkeypatch):
             monkeypatch.setenv('DG_TIMEOUT_S', value)
         monkeypatch.setattr(status, '_env_timeout_s', status._env_timeout())   # as an import reads it
         assert status.get_timeout() == expected
-    for bad in ('abc', '0', '-1'):
+    # inf, NaN and bounds past MAX_TIMEOUT_S (1e6 s) would not fit the kernels' uint64 nanoseconds
+    for bad in ('abc', '0', '-1', 'inf', 'nan', '1e7'):
         monkeypatch.setenv('DG_TIMEOUT_S', bad)
         monkeypatch.setattr(status, '_env_timeout_s', status._env_timeout())
-        with pytest.raises(ValueError, match=f"DG_TIMEOUT_S = '{bad}': expected a positive number of seconds"):
+        with pytest.raises(ValueError, match=re.escape(f"DG_TIMEOUT_S = '{bad}': expected a number of seconds in (0, 1e+06]")):
             status.get_timeout()
+    for bad in (0, -1.0, math.inf, math.nan, 1e7, True, '3'):
+        with pytest.raises(ValueError, match=r'seconds: expected a number in \(0, 1e\+06\]'):
+            status.set_timeout(bad)
+    status.set_timeout(status.MAX_TIMEOUT_S)   # the bound itself is accepted
+    assert status.get_timeout() == 1e6
     status.set_timeout(3.0)                  # set_timeout wins over the environment (restored by monkeypatch)
     assert status.get_timeout() == 3.0
 
@@ -486,6 +519,62 @@ def test_stage_launcher_passes_each_argument_in_its_place(monkeypatch):
         intermediate_hidden=I, buffer=case.buf.buffer.data_ptr(), x=x.data_ptr(), x_row_stride=H + 8,
         topk_idx=idx.data_ptr(), topk_weights=w.data_ptr(), num_tokens=5, num_sms=132, stream=0x5eed)
     assert len(args) == len(names)
+
+
+def test_stage_rejects_strided_channels_at_any_n():
+    # the staging kernel reads a row's channels as one run: every-other-channel views are refused at
+    # one row as at several (at one row the row stride does not matter, the channel stride does)
+    case = Case('fp8xfp8')
+    for n in (1, 2):
+        x = torch.randn(n, 2 * H).bfloat16()[:, ::2]
+        idx, w = torch.randint(0, E, (n, K)), torch.rand(n, K)
+        assert 'contiguous channels' in case.buf._stage_problem(x, idx, w)
+    one_row = torch.randn(3, H + 8).bfloat16()[1:2, :H]   # a row of a wider tensor: fine
+    assert case.buf._stage_problem(one_row, torch.randint(0, E, (1, K)), torch.rand(1, K)) is None
+
+
+def test_stage_binding_checks_its_layout():
+    # the private binding builds its buffer layout through the checked constructor: a bad shape is a
+    # ValueError before any device work, not a division by zero in the process
+    from deep_gemm import _C
+    args = dict(mma_type=mega.MMA_TYPES['fp8xfp8'], num_ranks=1, num_experts=E, num_max_tokens_per_rank=N, num_topk=K,
+                hidden=H, intermediate_hidden=I, buffer=0, x=0, x_row_stride=H, topk_idx=0, topk_weights=0,
+                num_tokens=1, num_sms=132, stream=0)
+    for bad, match in ((dict(num_ranks=0), 'num_ranks = 0'), (dict(num_experts=0), 'num_experts = 0'),
+                       (dict(hidden=H + 64), 'hidden')):
+        with pytest.raises(ValueError, match=match):
+            _C.launch_mega_moe_stage(**{**args, **bad})
+
+
+@pytest.mark.parametrize('which', ['call', 'stage'])
+def test_launch_on_another_device_says_so(monkeypatch, which):
+    # A buffer on cuda:1 called while cuda:0 is current: the driver refuses the launch (the kernel is
+    # loaded into the current context, the stream is the buffer's device's); the error names the fix.
+    # The same failure with the right device current passes through unchanged.
+    from deep_gemm.mega import launch
+
+    class Failing(_LaunchRecorder):
+        def launch_mega_moe(self, *args):
+            raise RuntimeError('cuLaunchKernel failed: invalid resource handle')
+        launch_mega_moe_stage = launch_mega_moe
+
+    monkeypatch.setattr(launch, '_C', Failing())
+    monkeypatch.setattr(launch, '_raw_stream', lambda index: 0x5eed)
+    case = Case('fp8xfp8')
+    case.buf._launch_device_constants = (1, 232448, 4917)
+
+    def run():
+        if which == 'call':
+            launch.launch_mega_moe('fp8xfp8', case.y, case.l1, case.l2, case.buf, None, None, True)
+        else:
+            launch.launch_stage(case.buf, torch.randn(2, H).bfloat16(), torch.randint(0, E, (2, K)), torch.rand(2, K))
+    monkeypatch.setattr(torch.cuda, 'current_device', lambda: 0)
+    with pytest.raises(RuntimeError, match=r'the buffer is on cuda:1 but the current CUDA device is cuda:0: call '
+                                           r'torch.cuda.set_device\(1\).*invalid resource handle'):
+        run()
+    monkeypatch.setattr(torch.cuda, 'current_device', lambda: 1)
+    with pytest.raises(RuntimeError, match=r'^cuLaunchKernel failed: invalid resource handle$'):
+        run()
 
 
 class _PrepareRecorder:

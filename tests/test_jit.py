@@ -231,6 +231,47 @@ def test_concurrent_compiles_publish_once(tmp_path):
     assert os.listdir(tmp_path / 'cache' / 'tmp') == []
 
 
+def test_start_up_compiles_release_the_gil(tmp_path):
+    """`_C.prepare_mega_moe` (prepare_mega_moe_kernels) and `_C.compile_mega_moe_stage` run nvcc without
+    holding the GIL: a Python thread keeps running while a stand-in nvcc sleeps 1 s per kernel."""
+    fake_nvcc = tmp_path / 'fake_nvcc'
+    fake_nvcc.write_text(textwrap.dedent('''\
+        #!/bin/sh
+        if [ "$1" = "--version" ]; then echo "fake nvcc 0.1"; exit 0; fi
+        prev=""; out=""
+        for arg in "$@"; do [ "$prev" = "-o" ] && out="$arg"; prev="$arg"; done
+        sleep 1
+        printf '\\177ELF fake cubin' > "$out"
+    '''))
+    fake_nvcc.chmod(0o755)
+    code = '''
+        import threading, time
+        import deep_gemm.jit as jit
+        from deep_gemm import _C
+        jit.init()
+        for name, start in (('prepare', lambda: _C.prepare_mega_moe(2, 1, 8, 2, 256, 128, 1, 132, 232448)),
+                            ('stage', lambda: _C.compile_mega_moe_stage(True))):
+            ticks, done = [0], threading.Event()
+            def count():
+                while not done.is_set():
+                    ticks[0] += 1
+                    time.sleep(0.01)
+            t = threading.Thread(target=count)
+            t.start()
+            start()
+            done.set()
+            t.join()
+            print(name, ticks[0])
+    '''
+    env = {'DG_NVCC': str(fake_nvcc), 'DG_JIT_CACHE_DIR': str(tmp_path / 'cache')}
+    out = subprocess.run([sys.executable, '-c', textwrap.dedent(code)], cwd=REPO_ROOT, capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=REPO_ROOT, **env), timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    ticks = dict(line.split() for line in out.stdout.split('\n') if line)
+    # ~100 ticks of 10 ms per 1 s nvcc run; a call holding the GIL leaves the thread at 0-1 (its start)
+    assert int(ticks['prepare']) >= 20 and int(ticks['stage']) >= 20, ticks
+
+
 def test_bad_nvcc_is_a_clear_error(tmp_path):
     code = '''
         import deep_gemm.jit as jit

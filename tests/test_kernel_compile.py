@@ -167,6 +167,25 @@ def test_stage_kernel_compiles(fp8, requires_nvcc):
     assert sass.index('ACQBULK') < min(sass.index(op) for op in ('LDG', 'STG') if op in sass)
 
 
+def test_remembered_kernel_directories_follow_the_cache_directory(requires_nvcc, tmp_path):
+    # The launchers remember each variant's compiled directory per process; after set_cache_dir they
+    # look it up again (a copy of each kernel in the new cache: found there, no nvcc run), instead of
+    # returning paths into the old directory
+    import shutil
+    old = [_C.compile_mega_moe_stage(True), _C.compile_mega_moe(mma_type_to_int('fp8xfp8'), 128, 2, True, 128)]
+    new_cache = tmp_path / 'moved'
+    for d in old:
+        shutil.copytree(d, new_cache / 'cache' / os.path.basename(d))
+    invocations = _C.get_num_nvcc_invocations()
+    _C.set_cache_dir(str(new_cache))
+    try:
+        now = [_C.compile_mega_moe_stage(True), _C.compile_mega_moe(mma_type_to_int('fp8xfp8'), 128, 2, True, 128)]
+    finally:
+        _C.set_cache_dir('')
+    assert now == [str(new_cache / 'cache' / os.path.basename(d)) for d in old]
+    assert _C.get_num_nvcc_invocations() == invocations
+
+
 def test_variants_compile_concurrently(requires_nvcc, tmp_path):
     """`_C.compile_mega_moe` releases the GIL and holds no lock across nvcc (scripts/prebuild_kernels.py
     --jobs): three threads asking for two variants, one of them twice, get each variant's one cache

@@ -319,3 +319,15 @@ def test_size_formula_of_the_docs(shape, mma_type):
 def test_docs_worked_example():
     assert get_symm_buffer_size_for_mega_moe(8, 256, 4096, 8, 7168, 2048, 'fp8xfp4') == 3041866752
     assert get_symm_buffer_size_for_mega_moe(1, 256, 4096, 8, 7168, 2048, 'fp8xfp4') == 1130308608
+    # the numbers docs/BUFFER.md prints, as its "Querying it" example would print them now
+    import os
+    import re
+    with open(os.path.join(os.path.dirname(__file__), '..', 'docs', 'BUFFER.md')) as f:
+        doc = f.read()
+    size = re.search(r'get_symm_buffer_size_for_mega_moe\(8, 256, 4096, 8, 7168, 2048, "fp8xfp4"\)\s+# (\d+)', doc)
+    l1_act = re.search(r'layout\["l1_act"\]\s+# \((\d+), (\d+)\)', doc)
+    assert size and l1_act, 'docs/BUFFER.md no longer has its query example'
+    assert int(size.group(1)) == get_symm_buffer_size_for_mega_moe(8, 256, 4096, 8, 7168, 2048, 'fp8xfp4')
+    layout = get_mega_moe_layout(8, 256, 4096, 8, 7168, 2048, 'fp8xfp4')
+    assert (int(l1_act.group(1)), int(l1_act.group(2))) == tuple(layout['l1_act'])
+    assert '3,041,866,752 B' in doc and '1,130,308,608 B' in doc

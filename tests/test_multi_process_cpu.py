@@ -497,12 +497,17 @@ def _child_peer_table(rank, world_size):
     sym = buffer_mod.get_symm_buffer_for_mega_moe(None, 8, 16, 2, 256, 128, 'bf16xbf16', device='cpu')
     buffer_mod._probe_peers(sym, group)            # its own buffer: passes
     out['marker'] = sym.buffer[:32].view(torch.int64).tolist()
+    own = sym.peer_ptrs
     elsewhere = torch.zeros(64, dtype=torch.uint8)
     sym.peer_ptrs = [elsewhere.data_ptr()]
     try:
         buffer_mod._probe_peers(sym, group)
     except RuntimeError as e:
         out['wrong_peer'] = str(e)
+    # The group's third probe (None: the world group) carries its sequence number 3
+    sym.peer_ptrs = own
+    buffer_mod._probe_peers(sym, None)
+    out['world_sequence'] = sym.buffer[16:24].view(torch.int64).item()
     return out
 
 
@@ -514,6 +519,20 @@ def test_peer_table_and_probe():
     assert r['marker'][:3] == [0x44474D4F45505231, 0, 1]
     assert "the peer table does not reach the peers' buffers" in r['wrong_peer']
     assert 'rank 0: peer_ptrs[0] = 0x' in r['wrong_peer'] and "holds ['0x0', '0x0', '0x0', '0x0']" in r['wrong_peer']
+    assert r['world_sequence'] == 3
+
+
+def test_probe_sequences_count_per_group():
+    # A process in two groups may make their buffers in either order; each group's members count
+    # that group's buffers alike, so the numbers are per group (by its members' global ranks)
+    from deep_gemm.mega import buffer as buffer_mod
+    saved = dict(buffer_mod._probe_sequences)
+    try:
+        buffer_mod._probe_sequences.clear()
+        assert [buffer_mod._next_probe_sequence(g) for g in [(0, 1), (0, 2), (0, 2), (0, 1), (0, 1)]] == [1, 1, 2, 2, 3]
+    finally:
+        buffer_mod._probe_sequences.clear()
+        buffer_mod._probe_sequences.update(saved)
 
 
 def test_allow_cold_jit(monkeypatch):

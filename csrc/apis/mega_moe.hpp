@@ -7,6 +7,7 @@
 #include <pybind11/stl.h>
 
 #include "../jit_kernels/impls/sm90_fp8_mega_moe.hpp"
+#include "layout.hpp"
 
 namespace deep_gemm::apis::mega_moe {
 
@@ -64,8 +65,9 @@ inline void register_apis(py::module_& m) {
           [](int mma_type, int num_ranks, int num_experts, int num_max_tokens_per_rank, int num_topk, int hidden,
              int intermediate_hidden, int64_t buffer, int64_t x, int64_t x_row_stride, int64_t topk_idx,
              int64_t topk_weights, int num_tokens, int num_sms, int64_t stream) {
-              const layout::MegaMoELayout lay(num_ranks, num_experts, num_max_tokens_per_rank, num_topk, hidden,
-                                              intermediate_hidden, static_cast<MmaType>(mma_type));
+              // checked (a bad shape raises instead of reaching a division by zero or a wrong offset)
+              const auto lay = apis::layout::make_mega_moe_layout(num_ranks, num_experts, num_max_tokens_per_rank, num_topk,
+                                                                  hidden, intermediate_hidden, mma_type);
               jit_kernels::launch_mega_moe_stage(static_cast<MmaType>(mma_type), lay, buffer, x, x_row_stride, topk_idx,
                                                  topk_weights, num_tokens, num_sms, stream);
           },
@@ -82,9 +84,9 @@ inline void register_apis(py::module_& m) {
                   jit::get_kernel(dir, "mega_moe_stage");
               return dir.string();
           },
-          py::arg("fp8"), py::arg("load") = false,
-          "Compile (or fetch from the cache) the staging kernel; works without a GPU. With load=True, also load\n"
-          "it into the current CUDA context as its first launch would.");
+          py::arg("fp8"), py::arg("load") = false, py::call_guard<py::gil_scoped_release>(),
+          "Compile (or fetch from the cache) the staging kernel; works without a GPU (and without the GIL). With\n"
+          "load=True, also load it into the current CUDA context as its first launch would.");
 
     m.def("compile_mega_moe",
           [](int mma_type, int block_m, int num_stages, bool fast_math, int block_n_l2, int wide_n_min, bool signals_thread, bool cta_pair,
@@ -114,9 +116,11 @@ inline void register_apis(py::module_& m) {
           py::arg("mma_type"), py::arg("num_ranks"), py::arg("num_experts"), py::arg("num_topk"), py::arg("hidden"),
           py::arg("intermediate_hidden"), py::arg("num_tokens"), py::arg("num_sms"), py::arg("max_smem_bytes"),
           py::arg("fast_math") = true, py::arg("load") = false, py::arg("ranks_share_gpu") = false, py::arg("hbm_gbps") = -1,
-          "Compile the kernel variant launch_mega_moe would launch for these arguments (works without a GPU)\n"
-          "and, with load=True, load it into the current CUDA context as its first launch would (module load,\n"
-          "shared-memory opt-in). Returns the kernel's cache directory.");
+          py::call_guard<py::gil_scoped_release>(),
+          "Compile the kernel variant launch_mega_moe would launch for these arguments (works without a GPU,\n"
+          "and without the GIL: a server's other threads run meanwhile) and, with load=True, load it into the\n"
+          "current CUDA context as its first launch would (module load, shared-memory opt-in). Returns the\n"
+          "kernel's cache directory.");
 
     m.def("get_mega_moe_kernel_source",
           [](int mma_type, int block_m, int num_stages, bool fast_math, int block_n_l2, int wide_n_min, bool signals_thread, bool cta_pair,

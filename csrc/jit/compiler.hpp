@@ -198,8 +198,14 @@ public:
         nvcc_version_.clear();
         header_digest_.clear();
         memory_cache_.clear();
+        ++generation_;
         initialized_ = true;
     }
+
+    // Bumped by init() and set_cache_dir(): launchers that remember compiled directories across
+    // calls keep them only for the generation they were compiled in (their paths point into the
+    // cache directory of that time)
+    uint64_t generation() const { return generation_.load(); }
 
     bool initialized() const {
         std::lock_guard<std::mutex> lock(mutex_);
@@ -212,6 +218,7 @@ public:
         cache_dir_overridden_ = not path.empty();
         cache_dir_ = path.empty() ? default_cache_dir() : fs::path(path);
         memory_cache_.clear();  // its entries point into the old directory
+        ++generation_;
     }
 
     fs::path cache_dir() const {
@@ -438,6 +445,7 @@ private:
     std::unordered_map<std::string, fs::path> memory_cache_;  // request (name, source, flags) -> directory
     std::unordered_map<std::string, std::shared_ptr<std::mutex>> key_mutexes_;
     std::atomic<int64_t> num_invocations_{0};
+    std::atomic<uint64_t> generation_{0};
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -452,5 +460,8 @@ inline void init(const std::string& include_dir, const std::string& cuda_home, c
 inline fs::path compile(const std::string& name, const std::string& source, const std::vector<std::string>& extra_flags = {}) {
     return Compiler::instance().compile(name, source, extra_flags);
 }
+
+// Changes whenever a compiled directory remembered outside the compiler may be stale (Compiler::generation)
+inline uint64_t compile_generation() { return Compiler::instance().generation(); }
 
 }  // namespace deep_gemm::jit

@@ -90,6 +90,7 @@ def _check_weights(arg: str, weights: object, spec: _WeightSpec, device: torch.d
 
 
 _data_ptr = torch.Tensor.data_ptr
+_strides = torch.Tensor.stride
 
 
 # Weight sets a buffer remembers as checked: a model's layers (tens to a few hundred weight sets)
@@ -103,7 +104,7 @@ def _weights_key(l1_weights: object, l2_weights: object) -> Optional[Tuple[tuple
     arrangement are not the same weights; None when they cannot be weights of any format."""
     if isinstance(l1_weights, torch.Tensor) and isinstance(l2_weights, torch.Tensor):
         objects, arrangement = (l1_weights, l2_weights), -1
-    elif type(l1_weights) in (tuple, list) and type(l2_weights) in (tuple, list):
+    elif isinstance(l1_weights, (tuple, list)) and isinstance(l2_weights, (tuple, list)):
         objects, arrangement = (*l1_weights, *l2_weights), len(l1_weights)
     else:
         return None
@@ -117,17 +118,20 @@ class _CheckedWeights:
     `_check_weights` reads ~6 attributes per tensor (~1 us a tensor on a server's host) on every call,
     although a server passes the same weight tensors every time (one set per layer). So a call whose
     weights are the very tensor objects an earlier call on the buffer checked, each still at the
-    address it was checked at, skips them: the kernel reads weights by address, with the shapes the
-    buffer gives, so a weight still at its checked address still holds what the checks saw; a
-    `.data =` or `set_()` that moves a weight is seen and the full checks run again. No weight is
-    kept alive: a weak reference to each removes the entry when its tensor dies (an `id` names one
-    object only while it lives). ~1 us against ~4 (FP8, this machine's CPU; docs/PERF.md, session 49)."""
-    __slots__ = ('ptrs', 'addresses', 'refs')
+    address and with the strides it was checked with, skips them: the kernel reads weights by
+    address, with the shapes the buffer gives, so such a weight still lays out what the checks saw
+    (its bytes in the same places); a `.data =` or `set_()` that moves a weight or relays it out at
+    the same address (a transposed view) is seen and the full checks run again. No weight is kept
+    alive: a weak reference to each removes the entry when its tensor dies (an `id` names one object
+    only while it lives). ~1 us against ~4 (FP8, this machine's CPU; docs/PERF.md, session 49), the
+    strides ~0.2 us a tensor of it."""
+    __slots__ = ('ptrs', 'strides', 'addresses', 'refs')
 
     def __init__(self, kind: str, l1_tensors: Tuple[torch.Tensor, ...], l2_tensors: Tuple[torch.Tensor, ...],
                  memo: Dict[tuple, '_CheckedWeights'], key: Optional[tuple]) -> None:
         tensors = l1_tensors + l2_tensors
         self.ptrs = tuple(map(_data_ptr, tensors))
+        self.strides = tuple(map(_strides, tensors))
         self.addresses = kernel_weight_addresses(kind, l1_tensors, l2_tensors)
 
         def forget(_ref) -> None:   # holds the memo, not the buffer
@@ -145,7 +149,7 @@ class _CheckedWeights:
         key, objects = found
         checked = memo.get(key)
         # a hit: every object is one of the entry's tensors, all alive (a dead one removed the entry)
-        if checked is None or tuple(map(_data_ptr, objects)) != checked.ptrs:
+        if checked is None or tuple(map(_data_ptr, objects)) != checked.ptrs or tuple(map(_strides, objects)) != checked.strides:
             return None
         return checked
 
@@ -178,6 +182,9 @@ def _validate(kind: str, y: object, l1_weights: object, l2_weights: object, sym_
         raise ValueError(f'y must be on {device} (the buffer\'s device), got {y.device}')
     if not y.is_contiguous():
         raise ValueError('y must be contiguous')
+    # the combine writes y's rows 16 bytes at a time: a view at an odd offset would fault on the device
+    if y.data_ptr() % 16 != 0:
+        raise ValueError(f'y must start at a 16-byte aligned address, got data_ptr() % 16 = {y.data_ptr() % 16}')
 
     memo = sym_buffer._checked_weights
     found = _weights_key(l1_weights, l2_weights)
@@ -316,6 +323,10 @@ def prepare_mega_moe_kernels(sym_buffer: SymmBuffer, num_tokens: Union[None, int
         num_tokens: the token counts the calls will have: None (default) every n from 0 to
             num_max_tokens_per_rank, an int, or an iterable of ints in that range.
         fast_math: as the calls will pass it.
+
+    A call that finds its kernel neither compiled nor loaded compiles it inside the call, holding the
+    GIL (minutes for a cold cache); this does the same with the GIL released, so a server's other
+    threads run meanwhile.
 
     Also loads `SymmBuffer.stage`'s kernel and makes the buffer's pinned status mirror. On a CPU buffer
     (no GPU): compiles only, the variants an H200 and an H100 would launch. Returns the kernels'

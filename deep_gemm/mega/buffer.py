@@ -198,7 +198,10 @@ class SymmBuffer:
         n, hidden = x.shape
         if n > self.num_max_tokens_per_rank:
             return f'x: n = {n} exceeds num_max_tokens_per_rank = {self.num_max_tokens_per_rank}'
-        if not (hidden == self.hidden and (n <= 1 or x.stride(1) == 1) and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0):
+        # channels contiguous (for every n: the kernel reads a row as one run); the row stride matters
+        # only from two rows on (a one-row view of a wider tensor is fine)
+        if not (hidden == self.hidden and (n == 0 or x.stride(1) == 1) and (n <= 1 or x.stride(0) % 8 == 0) and
+                x.data_ptr() % 16 == 0):
             return f'x: expected shape [n, {self.hidden}] with contiguous channels, 16-byte aligned rows'
         k = self.num_topk
         if not (isinstance(topk_idx, torch.Tensor) and topk_idx.dtype == torch.int64 and topk_idx.shape == (n, k) and
@@ -313,10 +316,18 @@ def _peer_buffer_addresses(buffer: torch.Tensor, handle, group, rank: int, num_r
 
 
 # Marker written at the start of each rank's buffer (then zeroed with the workspace) to check the
-# peer table: magic, rank, allocation sequence number (the same on every rank of a group)
+# peer table: magic, rank, allocation sequence number (the same on every rank of a group: counted
+# per group, by its members' global ranks, since buffers of one group are made collectively, in the
+# same order on every member, while a process in several groups may make theirs in any order)
 _PROBE_MAGIC = 0x4447_4d4f_4550_5231   # "DGMOEPR1"
 _PROBE_WORDS = 4
-_probe_sequence = 0
+_probe_sequences: Dict[tuple, int] = {}
+
+
+def _next_probe_sequence(members: tuple) -> int:
+    """The next allocation sequence number of the group of these global ranks (1 first)."""
+    sequence = _probe_sequences[members] = _probe_sequences.get(members, 0) + 1
+    return sequence
 
 
 def _probe_peers(sym: 'SymmBuffer', group) -> None:
@@ -326,14 +337,13 @@ def _probe_peers(sym: 'SymmBuffer', group) -> None:
 
     Skipped (with no error) where torch lacks the private `_construct_storage_from_data_pointer`."""
     import torch.distributed as dist
-    global _probe_sequence
-    _probe_sequence += 1
+    sequence = _next_probe_sequence(tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)))
     construct = getattr(torch._C, '_construct_storage_from_data_pointer', None)
     device = sym.device
     nbytes = _PROBE_WORDS * 8
 
     def marker(rank: int) -> torch.Tensor:
-        return torch.tensor([_PROBE_MAGIC, rank, _probe_sequence, sym.num_bytes], dtype=torch.int64)
+        return torch.tensor([_PROBE_MAGIC, rank, sequence, sym.num_bytes], dtype=torch.int64)
 
     if construct is not None:
         sym.buffer[:nbytes].copy_(marker(sym.rank).view(torch.uint8).to(device))
@@ -356,4 +366,4 @@ def _probe_peers(sym: 'SymmBuffer', group) -> None:
     failures = [f'rank {r}: {b}' for r, rank_bad in enumerate(everyone) for b in rank_bad]
     if failures:
         raise RuntimeError(f'symmetric memory: the peer table does not reach the peers\' buffers (expected '
-                           f'[magic, rank, {_probe_sequence}, {sym.num_bytes}] at each): ' + '; '.join(failures))
+                           f'[magic, rank, {sequence}, {sym.num_bytes}] at each): ' + '; '.join(failures))

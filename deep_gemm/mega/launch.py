@@ -165,13 +165,17 @@ def launch_mega_moe(kind: str, y: torch.Tensor, l1, l2, buf, stats: Optional[tor
     index, max_smem, hbm_gbps = _device_constants(buf)
     trace = buf._trace
     # The argument order of _C.launch_mega_moe (csrc/apis/mega_moe.hpp)
-    _C.launch_mega_moe(
-        MMA_TYPES[kind], buf.peer_ptrs, buf.rank, buf.num_experts, buf.num_max_tokens_per_rank, buf.num_topk,
-        buf.hidden, buf.intermediate_hidden, y.shape[0], y.data_ptr(), *weight_addresses,
-        0 if stats is None else stats.data_ptr(), 0 if mirror is None else mirror.data_ptr(),
-        0 if trace is None else trace.data_ptr(), _raw_stream(index),
-        0.0 if activation_clamp is None else float(activation_clamp), bool(fast_math), status.get_timeout(),
-        buf.num_sms or _C.get_num_sms(), max_smem, bool(buf.peers_on_this_gpu), ranks_share_gpu(buf), hbm_gbps)
+    try:
+        _C.launch_mega_moe(
+            MMA_TYPES[kind], buf.peer_ptrs, buf.rank, buf.num_experts, buf.num_max_tokens_per_rank, buf.num_topk,
+            buf.hidden, buf.intermediate_hidden, y.shape[0], y.data_ptr(), *weight_addresses,
+            0 if stats is None else stats.data_ptr(), 0 if mirror is None else mirror.data_ptr(),
+            0 if trace is None else trace.data_ptr(), _raw_stream(index),
+            0.0 if activation_clamp is None else float(activation_clamp), bool(fast_math), status.get_timeout(),
+            buf.num_sms or _C.get_num_sms(), max_smem, bool(buf.peers_on_this_gpu), ranks_share_gpu(buf), hbm_gbps)
+    except RuntimeError as e:
+        _raise_if_on_another_device(index, e)
+        raise
 
 
 def launch_stage(buf, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> None:
@@ -179,7 +183,27 @@ def launch_stage(buf, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: tor
     n = x.shape[0]
     index = _device_constants(buf)[0]
     # The argument order of _C.launch_mega_moe_stage (csrc/apis/mega_moe.hpp), positional as above
-    _C.launch_mega_moe_stage(
-        MMA_TYPES[buf.mma_type], buf.num_ranks, buf.num_experts, buf.num_max_tokens_per_rank, buf.num_topk, buf.hidden,
-        buf.intermediate_hidden, buf.buffer.data_ptr(), x.data_ptr(), x.stride(0) if n > 0 else buf.hidden,
-        topk_idx.data_ptr(), topk_weights.data_ptr(), n, _C.get_num_sms(), _raw_stream(index))
+    try:
+        _C.launch_mega_moe_stage(
+            MMA_TYPES[buf.mma_type], buf.num_ranks, buf.num_experts, buf.num_max_tokens_per_rank, buf.num_topk, buf.hidden,
+            buf.intermediate_hidden, buf.buffer.data_ptr(), x.data_ptr(), x.stride(0) if n > 0 else buf.hidden,
+            topk_idx.data_ptr(), topk_weights.data_ptr(), n, _C.get_num_sms(), _raw_stream(index))
+    except RuntimeError as e:
+        _raise_if_on_another_device(index, e)
+        raise
+
+
+def _raise_if_on_another_device(index: int, error: RuntimeError) -> None:
+    """A launch failed: when the buffer's GPU is not the current device, say so instead of the driver's
+    error. The kernels load into the current CUDA context and launch on the buffer's device's stream,
+    which the driver refuses across devices (torch ops follow their tensors' device; these follow the
+    current one, like a raw CUDA launch). Checked only after a failure: the current device costs host
+    time on every call."""
+    try:
+        current = torch.cuda.current_device()
+    except Exception:   # no usable CUDA: the original error says more
+        return
+    if current != index:
+        raise RuntimeError(f'the buffer is on cuda:{index} but the current CUDA device is cuda:{current}: call '
+                           f'torch.cuda.set_device({index}) or make the call inside `with torch.cuda.device({index}):` '
+                           f'(the launch failed with: {error})') from error

@@ -31,6 +31,9 @@ PHASES = {_PHASE['none']: 'none', _PHASE['recv_counts']: 'waiting for receive co
 _ERROR, _ABORT = _C.kStatusError, _C.kStatusAbort
 
 _timeout_s: Optional[float] = None   # set_timeout's
+# The longest bound accepted (~11.6 days): the kernels count it in uint64 nanoseconds, and some waits
+# wait twice the bound, so it stays far below 2^63 ns; inf or a larger number would wrap to ~0 there
+MAX_TIMEOUT_S = 1e6
 
 
 def _env_timeout() -> Optional[float]:
@@ -42,7 +45,7 @@ def _env_timeout() -> Optional[float]:
         seconds = float(value)
     except ValueError:
         return math.nan
-    return seconds if seconds > 0 else math.nan
+    return seconds if 0 < seconds <= MAX_TIMEOUT_S else math.nan
 
 
 # DG_TIMEOUT_S, read once, when deep_gemm is imported: every launch passes the bound, and an
@@ -54,8 +57,8 @@ DEFAULT_TIMEOUT_S = 5.0
 def set_timeout(seconds: float) -> None:
     """Bound every spin-wait of the Mega MoE kernels (default `DG_TIMEOUT_S` as at import, else 5 s)."""
     global _timeout_s
-    if not (isinstance(seconds, (int, float)) and seconds > 0):
-        raise ValueError(f'seconds: expected a positive number, got {seconds!r}')
+    if isinstance(seconds, bool) or not (isinstance(seconds, (int, float)) and 0 < seconds <= MAX_TIMEOUT_S):
+        raise ValueError(f'seconds: expected a number in (0, {MAX_TIMEOUT_S:g}], got {seconds!r}')
     _timeout_s = float(seconds)
 
 
@@ -66,7 +69,8 @@ def get_timeout() -> float:
     if _env_timeout_s is None:
         return DEFAULT_TIMEOUT_S
     if math.isnan(_env_timeout_s):
-        raise ValueError(f'DG_TIMEOUT_S = {os.environ.get("DG_TIMEOUT_S")!r}: expected a positive number of seconds')
+        raise ValueError(f'DG_TIMEOUT_S = {os.environ.get("DG_TIMEOUT_S")!r}: expected a number of seconds in '
+                         f'(0, {MAX_TIMEOUT_S:g}]')
     return _env_timeout_s
 
 

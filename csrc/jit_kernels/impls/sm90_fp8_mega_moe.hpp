@@ -4,6 +4,7 @@
 // config becomes template arguments), tensor maps, launch. Shapes stay run-time values, so a
 // handful of variants (format x BLOCK_M x stages x fast math x L2 task width) cover every model.
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cmath>
@@ -133,9 +134,10 @@ struct SM90MegaMoEVariant {
     // serializes threads asking for the same one
     std::filesystem::path compile() const {
         static std::mutex mutex;
-        static std::map<std::tuple<int, int, int, bool, int, int, bool, bool, bool>, std::filesystem::path> compiled;
-        const auto key = std::make_tuple(static_cast<int>(mma_type), block_m, num_stages, fast_math, block_n_l2, wide_n_min, signals_thread,
-                                         cta_pair, weights_first);
+        static std::map<std::tuple<uint64_t, int, int, int, bool, int, int, bool, bool, bool>, std::filesystem::path> compiled;
+        // the compiler's generation first: after set_cache_dir / init the variant is looked up afresh
+        const auto key = std::make_tuple(jit::compile_generation(), static_cast<int>(mma_type), block_m, num_stages, fast_math, block_n_l2,
+                                         wide_n_min, signals_thread, cta_pair, weights_first);
         {
             std::lock_guard<std::mutex> lock(mutex);
             if (auto it = compiled.find(key); it != compiled.end())
@@ -548,7 +550,9 @@ inline MegaMoEConfig launch_sm90_mega_moe(const SM90MegaMoEArgs& a) {
     params.cumulative_local_expert_recv_stats = reinterpret_cast<int*>(a.stats);
     params.activation_clamp = a.activation_clamp > 0 and std::isfinite(a.activation_clamp)
                                   ? static_cast<float>(a.activation_clamp) : INFINITY;
-    params.timeout_ns = static_cast<uint64_t>(a.timeout_s * 1e9);
+    // The Python side bounds it to (0, 1e6] s; clamped here too, since inf or ~1e10 s would not fit
+    // (a double past 2^64 converts to an undefined value, and some waits wait twice the bound)
+    params.timeout_ns = static_cast<uint64_t>(std::clamp(a.timeout_s, 1e-6, 1e6) * 1e9);
     params.host_status = reinterpret_cast<uint64_t*>(a.host_status);
     params.trace = reinterpret_cast<uint64_t*>(a.trace);
     params.ws_plan = variant.weights_first ? select_mega_moe_ws_plan() : 0;
@@ -561,16 +565,20 @@ inline MegaMoEConfig launch_sm90_mega_moe(const SM90MegaMoEArgs& a) {
 
 // ---------------------------------------------------------------------------------------------
 // Input staging (`SymmBuffer.stage`): a small kernel of its own, one variant per activation type
-// Compiled once per process and activation type (FP8 quantizes, BF16 copies)
+// Compiled once per process and activation type (FP8 quantizes, BF16 copies), and again after the
+// compiler's settings change (jit::compile_generation: the remembered path is in the old cache)
 inline std::filesystem::path compile_mega_moe_stage(bool fp8) {
     static std::mutex mutex;
     static std::filesystem::path compiled[2];
+    static uint64_t generation[2];   // the compiler's when compiled[fp8] was found
     std::lock_guard<std::mutex> lock(mutex);
-    if (compiled[fp8].empty()) {
+    const uint64_t now = jit::compile_generation();
+    if (compiled[fp8].empty() or generation[fp8] != now) {
         std::ostringstream os;
         os << "#include <deep_gemm/impls/mega_moe_stage.cuh>\n\n"
            << "DG_DEFINE_MEGA_MOE_STAGE_KERNEL(mega_moe_stage, " << (fp8 ? "true" : "false") << ")\n";
         compiled[fp8] = jit::compile(fp8 ? "mega_moe_stage_fp8" : "mega_moe_stage_bf16", os.str());
+        generation[fp8] = now;
     }
     return compiled[fp8];
 }
