@@ -366,6 +366,10 @@ def test_check_inputs_flags_bad_expert(monkeypatch):
     case.buf.topk_idx[6, 0] = -3
     case.snapshot = case.buf.buffer.clone()
     case.reject(ValueError, r'topk_idx\[5, 1\] = 4 is outside \[-1, num_experts = 4\)')
+    # a negative id other than -1 alone (the one above is found first)
+    case.buf.topk_idx[5, 1] = 0
+    case.snapshot = case.buf.buffer.clone()
+    case.reject(ValueError, r'topk_idx\[6, 0\] = -3 is outside \[-1, num_experts = 4\)')
 
 
 def test_check_inputs_flags_non_finite_weight(monkeypatch):
@@ -425,7 +429,6 @@ def test_public_names():
         assert obj is not None
         if callable(obj):
             assert obj.__doc__, name
-    assert issubclass(SymmBuffer, object)
 
 
 def test_launcher_bounds_the_combine_index():
@@ -575,6 +578,41 @@ def test_launch_on_another_device_says_so(monkeypatch, which):
     monkeypatch.setattr(torch.cuda, 'current_device', lambda: 1)
     with pytest.raises(RuntimeError, match=r'^cuLaunchKernel failed: invalid resource handle$'):
         run()
+
+
+def test_error_of_an_earlier_call_raises_before_the_next_launch(monkeypatch):
+    # DESIGN.md §6: an error a finished call recorded is raised at the latest by the next call, before
+    # it launches, from the pinned host mirror (no sync). A CPU buffer gets a stand-in mirror (GPU
+    # buffers make a pinned one); clear_error() / reset() forget the error and calls launch again.
+    from deep_gemm import _C
+    from deep_gemm.mega import launch, status
+    recorder = _LaunchRecorder()
+    monkeypatch.setattr(launch, '_C', recorder)
+    monkeypatch.setattr(launch, '_raw_stream', lambda index: 0x5eed)
+    case = Case('fp8xfp8')
+    case.buf._launch_device_constants = (0, 232448, 4917)
+    mirror = torch.zeros(_C.kNumStatusWords, dtype=torch.int64)
+    case.buf._host_status, case.buf._host_status_words = mirror, mirror.numpy()
+
+    def call():
+        launch.launch_mega_moe('fp8xfp8', case.y, case.l1, case.l2, case.buf, None, None, True)
+    call()
+    assert len(recorder.launches) == 1
+    bad_id = status._CODE['bad_expert_id'] | (3 << 40)          # token 3, non-fatal
+    timeout = status._CODE['timeout'] | (1 << 16)               # waiting for rank 1, fatal
+    for word, fatal, recover, match in ((bad_id, 0, case.buf.clear_error, 'expert id outside .* at token 3.*clear_error'),
+                                        (timeout, 1, case.buf.reset, 'timeout .* waiting for rank 1.*reset')):
+        mirror[_C.kStatusError], mirror[_C.kStatusAbort] = word, fatal
+        launched = len(recorder.launches)
+        for _ in range(2):   # raised again until recovered from
+            with pytest.raises(status.MegaMoEError, match=match) as e:
+                call()
+            assert e.value.fatal == bool(fatal) and e.value.word == word
+        assert len(recorder.launches) == launched, 'a call launched after an unreported error'
+        recover()
+        assert int(mirror.abs().sum()) == 0
+        call()
+    assert len(recorder.launches) == 3
 
 
 class _PrepareRecorder:

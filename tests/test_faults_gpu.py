@@ -148,12 +148,27 @@ def test_completes_while_another_stream_holds_half_the_sms():
     cubin = compile_helper('test_spin')
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     other = torch.cuda.Stream()
+    # The call's kernel compiled and loaded, its inputs staged, before the other stream takes the SMs
+    from deep_gemm.mega import launch as mega_launch
+    mega_launch.compile_mega_moe_kernel(mma_type, 1024, buf)
+    n = mc.stage_inputs(buf, inp)
+    y = torch.full((n, hidden), float('nan'), dtype=torch.bfloat16, device='cuda')
     torch.cuda.synchronize()
-    # One CTA per SM on half the SMs (200 KB of shared memory each) for 300 ms
+    # One CTA per SM on half the SMs (200 KB of shared memory each: no MoE CTA fits beside one) for
+    # 2 s, well inside the calls' 5 s spin-wait bound
     _C.launch_kernel(cubin, 'spin', [num_sms // 2, 1, 1], [32, 1, 1], 200 * 1024, other.cuda_stream,
-                     [300_000_000], False)
-    (y,) = mc.run_ranks(w, [inp], [buf])     # the MoE grid wants every SM
+                     [2_000_000_000], False)
+    spin_done = torch.cuda.Event()
+    spin_done.record(other)
+    time.sleep(0.1)   # the spin's CTAs resident first
+    mega_moe_function(mma_type)(y, *w.per_rank[0], buf)   # the MoE grid wants every SM
+    call_done = torch.cuda.Event()
+    call_done.record()
+    call_done.synchronize()
+    # A call that needed its whole grid resident would have finished only after the spin let go
+    finished_beside_the_spin = not spin_done.query()
     torch.cuda.synchronize()
+    assert finished_beside_the_spin, 'the call completed only once the other stream released its SMs'
     assert_correct(w, [inp], [y], mma_type)
     buf.check()
 
@@ -264,14 +279,18 @@ def test_ten_thousand_calls_random_n_routing_masks_and_ranks(mma_type):
                   mc.make_buffers(mma_type, r, experts, 128, topk, hidden, inter),
                   mc.VirtualRankStreams(r)) for r in (1, 2, 4)}
     g = torch.Generator().manual_seed(1)
+    unwritten = []   # per call, on the device: any NaN (the poison) left in a rank's y
     for call in range(10_000):
         ranks = (1, 2, 4)[call % 3]
         w, bufs, streams = groups[ranks]
         ns = torch.randint(0, 129, (ranks,), generator=g).tolist()
         inputs = mc.make_inputs(mma_type, ns, hidden, experts, topk, seed=call, mask_frac=float(call % 4) * 0.15)
         ys = mc.run_ranks(w, inputs, bufs, streams=streams)
-        if call % 500 == 0 or call >= 9_997:
+        unwritten.append(torch.stack([torch.isnan(y).any() for y in ys]).any())
+        if call % 500 == 0 or call >= 9_997:   # the reference on a sample, the poison on every call
             assert_correct(w, inputs, ys, mma_type)
+    bad = torch.stack(unwritten).nonzero().flatten().tolist()
+    assert not bad, f'calls {bad[:5]} left rows of y unwritten'
     for w, bufs, _ in groups.values():
         for b in bufs:
             b.check()

@@ -744,3 +744,22 @@ def test_cta_pair_variant_arguments():
         assert '#define DG_MEGA_MOE_CTA_PAIR 1' in source and f'256, {wide})' in source
     out = json.loads(_run_script(_CALLS_SCRIPT, 'DG_MEGA_MOE_CTA_PAIR', '2', 'get_mega_moe_kernel_variant', json.dumps([_V4_FP4_N8])))
     assert 'DG_MEGA_MOE_CTA_PAIR' in out[0] and "'2'" in out[0]
+
+
+def test_weights_first_off_when_asked_and_where_it_cannot_run():
+    # The weights-first kernel's choice (no GPU needed): on by default for FP8 x FP8 and BF16 one-rank
+    # calls of at most 8 routed pairs, FP8 x FP4 only when asked, never with two ranks or 16 pairs;
+    # set_mega_moe_weights_first overrides the environment (restored after)
+    old = _C.set_mega_moe_weights_first(-1)   # the environment's choice, else the default: on (FP8 x FP4: off)
+    try:
+        if os.environ.get('DG_MEGA_MOE_WEIGHTS_FIRST') is None:
+            assert _C.get_mega_moe_kernel_variant(1, 1, 128, 8, 2048, 768, 1, 132)['weights_first']
+            assert not _C.get_mega_moe_kernel_variant(0, 1, 128, 8, 2048, 768, 1, 132)['weights_first']
+        _C.set_mega_moe_weights_first(0)
+        assert not _C.get_mega_moe_kernel_variant(1, 1, 128, 8, 2048, 768, 1, 132)['weights_first']
+        _C.set_mega_moe_weights_first(1)
+        assert _C.get_mega_moe_kernel_variant(0, 1, 128, 8, 2048, 768, 1, 132)['weights_first']   # FP8 x FP4: when asked
+        assert not _C.get_mega_moe_kernel_variant(1, 2, 128, 8, 2048, 768, 1, 132)['weights_first']   # two ranks
+        assert not _C.get_mega_moe_kernel_variant(1, 1, 128, 8, 2048, 768, 2, 132)['weights_first']   # 16 pairs
+    finally:
+        _C.set_mega_moe_weights_first(old)

@@ -429,12 +429,33 @@ def test_no_stage_read_after_its_release():
     assert [name for _, name, _ in _stage_reads_after_release(bad)] == ['weight_sf', 'token_sf']
 
 
-# The weights-first kernel (impls/sm90_mega_moe_ws.cuh, DG_MEGA_MOE_WEIGHTS_FIRST=1): FP8 x FP8 and
-# BF16 at the stage counts the launcher picks on an H200 / H100 (6; 5 where the L2 side is wide),
-# each format with both maths, each math with both stage counts (four of the eight: nvcc time in CI);
-# FP8 x FP4 at its 8 stages, both maths
-@pytest.mark.parametrize('fmt, stages, fast', [('fp8xfp8', 6, True), ('fp8xfp8', 5, False), ('bf16xbf16', 5, True),
-                                               ('bf16xbf16', 6, False), ('fp8xfp4', 8, True), ('fp8xfp4', 8, False)])
+# The weights-first kernel (impls/sm90_mega_moe_ws.cuh): every variant the launcher picks with the
+# default fast math at the benchmark's and the GPU tests' shapes (FP8 x FP8 at 6 stages, BF16 at 6,
+# or 5 where the intermediate side is 2048, FP8 x FP4 at 8; test_weights_first_picks_are_compiled_here
+# keeps this list complete; a wider intermediate side takes fewer stages, compiled on first use), and
+# each format with exact math at one of its stage counts (nvcc time in CI)
+WS_COMPILED = [('fp8xfp8', 6, True), ('fp8xfp8', 6, False), ('bf16xbf16', 5, True), ('bf16xbf16', 6, True),
+               ('bf16xbf16', 6, False), ('fp8xfp4', 8, True), ('fp8xfp4', 8, False)]
+
+
+def test_weights_first_picks_are_compiled_here():
+    # The launcher's weights-first picks (forced on, H200 and H100 shared memory alike: 232448 bytes)
+    # at the benchmark's shapes and the GPU tests' small one, all among the variants the next test compiles
+    old = _C.set_mega_moe_weights_first(1)
+    try:
+        picks = set()
+        for fmt in ('fp8xfp8', 'bf16xbf16', 'fp8xfp4'):
+            for e, k, h, i in ((128, 8, 2048, 768), (256, 6, 4096, 2048), (256, 8, 7168, 2048), (16, 4, 512, 256)):
+                v = _C.get_mega_moe_kernel_variant(mma_type_to_int(fmt), 1, e, k, h, i, 1, 132, 232448)
+                if v['weights_first']:
+                    picks.add((fmt, v['num_stages'], True))
+    finally:
+        _C.set_mega_moe_weights_first(old)
+    assert {f for f, _, _ in picks} == {'fp8xfp8', 'bf16xbf16', 'fp8xfp4'}, picks
+    assert picks <= set(WS_COMPILED), sorted(picks - set(WS_COMPILED))
+
+
+@pytest.mark.parametrize('fmt, stages, fast', WS_COMPILED)
 def test_weights_first_kernel_compiles_for_sm90a(fmt, stages, fast, requires_nvcc):
     kernel_dir = _C.compile_mega_moe(mma_type_to_int(fmt), 64, stages, fast, 128, 64, False, False, True)
     assert os.path.basename(kernel_dir).startswith(f'sm90_mega_moe_ws_{fmt}_s{stages}_{"fast" if fast else "exact"}')

@@ -292,7 +292,8 @@ def test_every_gpu_test_is_selected_by_its_format():
     # does not name its format carries it as a marker (tests/conftest.py), else such a call leaves
     # it out without a word (session 41's line `-k fp8xfp4` missed the FP8 x FP4 prefill tests)
     from deep_gemm.testing import MMA_TYPES
-    files = [os.path.join('tests', f) for f in ('test_mega_moe_gpu.py', 'test_faults_gpu.py', 'test_multi_gpu.py')]
+    files = sorted(os.path.join('tests', f) for f in os.listdir(os.path.join(ROOT, 'tests')) if f.endswith('_gpu.py'))
+    assert len(files) >= 4, files
 
     def collected(*select):
         out = subprocess.run([sys.executable, '-m', 'pytest', '--collect-only', '-q', '-p', 'no:cacheprovider', *files, *select],
@@ -306,6 +307,7 @@ def test_every_gpu_test_is_selected_by_its_format():
     assert set().union(*by_format.values()) == every, sorted(every - set().union(*by_format.values()))
     # the FP8 x FP4 prefill tests among them (their ids name no format)
     assert any('test_fp4_prefill_idle_warpgroup' in t for t in by_format['fp8xfp4'])
+    assert any('test_fp4_awkward_weights' in t for t in by_format['fp8xfp4'])
 
 
 def test_ab_run_passes_a_quoted_k_expression_as_one_argument(tmp_path):

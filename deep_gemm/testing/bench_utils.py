@@ -257,9 +257,9 @@ GEMM_SCALED = 'scaled_grouped_mm'   # FP8 weights and activations, block scales 
 GEMM_GROUPED = 'grouped_mm'         # torch._grouped_mm on BF16 (or float32 on the CPU)
 GEMM_LOOP = 'matmul loop'           # one torch.matmul per expert (host sync: never graph-captured)
 GEMM_MODES = (GEMM_SCALED, GEMM_GROUPED, GEMM_LOOP)
-# calc_diff against the per-expert loop above which a faster strategy is rejected as wrong. FP8
-# activations in the scaled path add ~1e-3 relative error (calc_diff ~1e-6); grouped vs loop on the
-# same BF16 operands differ only in accumulation order.
+# calc_diff against the per-expert loop above which a faster strategy is rejected as wrong. The
+# scaled path re-quantizes h to E4M3 per token (relative error rms ~2.6e-2: calc_diff ~3.4e-4);
+# grouped vs loop on the same BF16 operands differ only in accumulation order.
 _SELECT_TOLERANCE = {GEMM_SCALED: 1e-3, GEMM_GROUPED: 1e-4}
 
 

@@ -214,14 +214,17 @@ def stage_inputs(buf, inp: RankInputs) -> int:
 
 def run_ranks(weights: MoEWeights, inputs: List[RankInputs], buffers, activation_clamp=None, stats=None,
               poison=True, streams: Optional[VirtualRankStreams] = None) -> List[torch.Tensor]:
-    """Stage every rank's inputs, launch every rank on its own stream, return the y's (synchronized)."""
+    """Stage every rank's inputs, launch every rank on its own stream, return the y's (synchronized).
+
+    `poison`: what y holds before the call, NaN (True), a number, or nothing written (False). Runs
+    compared bit for bit poison differently, so rows a call leaves unwritten do not compare equal."""
     fn = mega_api.mega_moe_function(weights.mma_type)
     ys = []
     for buf, inp in zip(buffers, inputs):
         n = stage_inputs(buf, inp)
         y = torch.empty(n, buf.hidden, dtype=torch.bfloat16, device=buf.device)
-        if poison:
-            y.fill_(float('nan'))
+        if poison is not False:
+            y.fill_(float('nan') if poison is True else float(poison))
         ys.append(y)
     if len(buffers) > 1:
         # Every rank's kernel variant compiled and loaded before the first launch: a rank that
