@@ -117,6 +117,18 @@ def test_buffer_of_another_format():
     case.reject(ValueError, "mma_type = 'bf16xbf16'.*fp8_mega_moe expects mma_type = 'fp8xfp8'", sym_buffer=other)
 
 
+def test_buffer_takes_deep_gemms_keywords():
+    # use_fp8_dispatch (when given, it must agree with mma_type) and activation ("swiglu" only)
+    for mma_type, fp8 in (('fp8xfp4', True), ('fp8xfp8', True), ('bf16xbf16', False)):
+        buf = get_symm_buffer_for_mega_moe(None, E, N, K, H, I, mma_type=mma_type, use_fp8_dispatch=fp8,
+                                           activation='swiglu', device='cpu')
+        assert buf.mma_type == mma_type
+        with pytest.raises(ValueError, match=f'use_fp8_dispatch = {not fp8} disagrees with mma_type'):
+            get_symm_buffer_for_mega_moe(None, E, N, K, H, I, mma_type=mma_type, use_fp8_dispatch=not fp8, device='cpu')
+    with pytest.raises(ValueError, match="activation = 'gelu' is not supported"):
+        get_symm_buffer_for_mega_moe(None, E, N, K, H, I, activation='gelu', device='cpu')
+
+
 def test_hidden_not_multiple_of_128_at_buffer_creation():
     with pytest.raises(ValueError, match='hidden = 200'):
         get_symm_buffer_for_mega_moe(None, E, N, K, 200, I, device='cpu')

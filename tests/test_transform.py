@@ -438,6 +438,22 @@ def test_fp4_torch_dtypes_accepted():
     assert_same(t, t_ref)
 
 
+def test_fp4_int8_packed_weights_accepted():
+    # packed bytes held as int8 (some checkpoints, DeepGEMM's tests) are the same bits
+    l1, l2 = fp4_pair(seed=38)
+    t_ref = transform_weights_for_mega_moe(l1, l2)
+    as_int8 = lambda p: (p[0].view(torch.int8), p[1])
+    assert_same(transform_weights_for_mega_moe(as_int8(l1), as_int8(l2)), t_ref)
+
+
+def test_activation_keyword():
+    # DeepGEMM's signature takes activation=; SwiGLU is the only one (the gate/up layout is its)
+    l1, l2 = fp4_pair(seed=39)
+    assert_same(transform_weights_for_mega_moe(l1, l2, activation='swiglu'), transform_weights_for_mega_moe(l1, l2))
+    with pytest.raises(ValueError, match="activation = 'gelu' is not supported"):
+        transform_weights_for_mega_moe(l1, l2, activation='gelu')
+
+
 def test_fp4_shape_checks():
     (w1, sf1), l2 = fp4_pair(seed=41)
     with pytest.raises(ValueError, match='l1 scales'):

@@ -235,7 +235,8 @@ def _group_size(group) -> int:
 
 def get_symm_buffer_for_mega_moe(group, num_experts: int, num_max_tokens_per_rank: int, num_topk: int, hidden: int,
                                  intermediate_hidden: int, mma_type: str = 'fp8xfp4', *,
-                                 device: Optional[Union[str, torch.device]] = None) -> SymmBuffer:
+                                 device: Optional[Union[str, torch.device]] = None,
+                                 use_fp8_dispatch: Optional[bool] = None, activation: str = 'swiglu') -> SymmBuffer:
     """Allocate this rank's Mega MoE symmetric buffer.
 
     Args:
@@ -248,11 +249,18 @@ def get_symm_buffer_for_mega_moe(group, num_experts: int, num_max_tokens_per_ran
         mma_type: "fp8xfp4", "fp8xfp8" or "bf16xbf16" (selects the entry point the buffer serves).
         device: where to allocate; default "cuda" (the current device). "cpu" works for one rank only
             (layout and validation tests).
+        use_fp8_dispatch, activation: DeepGEMM's (keywords only here): use_fp8_dispatch, when given, must
+            agree with mma_type (FP8 activations: "fp8xfp4" / "fp8xfp8"); activation must be "swiglu".
 
     Returns:
         A SymmBuffer whose workspace is zero and whose topk_idx is all -1.
     """
     mma_type_to_int(mma_type)
+    if use_fp8_dispatch is not None and bool(use_fp8_dispatch) != mma_type.startswith('fp8'):
+        raise ValueError(f'use_fp8_dispatch = {use_fp8_dispatch!r} disagrees with mma_type = {mma_type!r} (its activations '
+                         f'are {"FP8" if mma_type.startswith("fp8") else "BF16"}): pass mma_type alone')
+    if activation != 'swiglu':
+        raise ValueError(f'activation = {activation!r} is not supported: expected "swiglu"')
     num_ranks = _group_size(group)
     layout = get_mega_moe_layout(num_ranks, num_experts, num_max_tokens_per_rank, num_topk, hidden,
                                  intermediate_hidden, mma_type)

@@ -1,8 +1,9 @@
 """Host side of one Mega MoE call: addresses, stream, SM count, status mirror -> `_C.launch_mega_moe`.
 
-The kernel variant (format, BLOCK_M, stages, fast/exact SwiGLU, L2 task width 128 or 256, FP8 x FP4
-decode's transposed tile widths) is chosen
-in C++ from the heuristics, DG_MEGA_MOE_L2_BLOCK_N and DG_MEGA_MOE_WIDE_N; `_C.get_mega_moe_kernel_variant` shows it.
+The kernel variant (format, BLOCK_M, stages, fast/exact SwiGLU, L2 task width 128 / 256 / 512, FP8 x
+FP4 decode's transposed tile widths, the signals thread, the CTA pair, or the weights-first kernel) is
+chosen in C++ from the heuristics and the DG_MEGA_MOE_* tuning aids of the README's table;
+`_C.get_mega_moe_kernel_variant` shows it.
 
 Called by `deep_gemm.mega.api` after validation; nothing here allocates device memory or
 synchronizes, so calls are CUDA-graph capturable (the pinned status mirror is made on first use,

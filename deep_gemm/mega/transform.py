@@ -328,7 +328,8 @@ def _as_uint8(t: torch.Tensor, name: str, allowed: Tuple[torch.dtype, ...]) -> t
     return t if t.dtype == torch.uint8 else t.view(torch.uint8)
 
 
-_FP4_DTYPES = (torch.uint8,) + ((torch.float4_e2m1fn_x2,) if hasattr(torch, 'float4_e2m1fn_x2') else ())
+# int8: packed bytes as some checkpoints and DeepGEMM's own tests hold them (read as uint8, bit for bit)
+_FP4_DTYPES = (torch.uint8, torch.int8) + ((torch.float4_e2m1fn_x2,) if hasattr(torch, 'float4_e2m1fn_x2') else ())
 _UE8M0_DTYPES = (torch.uint8,) + ((torch.float8_e8m0fnu,) if hasattr(torch, 'float8_e8m0fnu') else ())
 
 
@@ -401,7 +402,7 @@ def _detect_format(l1: object, l2: object) -> str:
     if all(d in _FP4_DTYPES for d in dtypes):
         return 'fp8xfp4'
     raise TypeError(f'weights dtypes {dtypes} match no format: expected float8_e4m3fn (fp8xfp8) or packed '
-                    'E2M1 uint8 / float4_e2m1fn_x2 (fp8xfp4) for both l1 and l2')
+                    'E2M1 uint8 / int8 / float4_e2m1fn_x2 (fp8xfp4) for both l1 and l2')
 
 
 # --------------------------------------------------------------------------------------------------
@@ -533,14 +534,16 @@ def _transform_mxfp4(w: torch.Tensor, sf: torch.Tensor, name: str) -> WeightsFP4
 # Public transforms
 # --------------------------------------------------------------------------------------------------
 
-def transform_weights_for_mega_moe(l1_weights: Weights, l2_weights: Weights) -> Tuple[Weights, Weights]:
+def transform_weights_for_mega_moe(l1_weights: Weights, l2_weights: Weights, activation: str = 'swiglu') -> Tuple[Weights, Weights]:
     """Checkpoint weights -> the kernel's weight format (run once at model load).
+
+    `activation`: "swiglu", the only one (accepted for DeepGEMM's signature; l1's gate/up layout is SwiGLU's).
 
     The format is detected from the dtypes (see the module docstring for the table):
         bf16xbf16: l1 bfloat16 [E, 2I, H], l2 bfloat16 [E, H, I]
         fp8xfp8:   l1 (e4m3 [E, 2I, H], float32 [E, 2I/128, H/128]), l2 (e4m3 [E, H, I], float32 [E, H/128, I/128])
         fp8xfp4:   l1 (uint8 [E, 2I, H/2], UE8M0 uint8 [E, 2I, H/32]), l2 (uint8 [E, H, I/2], uint8 [E, H, I/32]);
-                   float4_e2m1fn_x2 / float8_e8m0fnu are accepted for the weights / scales.
+                   int8 / float4_e2m1fn_x2 and float8_e8m0fnu are accepted for the weights / scales.
     l1 rows are [gate | up]. Returns (l1, l2) for `bf16_mega_moe` / `fp8_mega_moe` / `fp8_fp4_mega_moe`:
     l1 gate/up interleaved in blocks of 128 rows; MXFP4 becomes (w uint8 [E, N/128, K/128, 8192], delta
     uint8 [E, N/128, K/128, 512], block_scale float32 [E, N/128, K/128]): per 128 x 128 weight block one
@@ -549,6 +552,8 @@ def transform_weights_for_mega_moe(l1_weights: Weights, l2_weights: Weights) -> 
     row nb * 128 + r, group kb * 4 + g), rows after the l1 interleave. Warns when MXFP4 groups lose
     precision (see `mxfp4_transform_error`). Runs on the inputs' device.
     """
+    if activation != 'swiglu':
+        raise ValueError(f'activation = {activation!r} is not supported: expected "swiglu"')
     kind = _detect_format(l1_weights, l2_weights)
     if kind == 'bf16xbf16':
         l1, l2 = _check_bf16(l1_weights, 'l1'), _check_bf16(l2_weights, 'l2')
