@@ -21,6 +21,10 @@
 #   DG_RUN_WS_STAGE_LOG=1: then the weights-first stage log (trace.py --tasks) at deepseek-v3 n = 1, both FP8
 #   formats, and mid FP8 x FP8 n = 1: per unit of a CTA's first L1 / L2 chunk, issue, arrival, release
 #   ($OUT/ws_stage_log.txt)
+#   DG_RUN_WS_LEAD=1: then the weights-first kernel's L2 lead (DG_MEGA_MOE_WS_L2_LEAD: L2 weight loads once
+#   every L1 chunk has at most that many units left to issue) 0 / 4 / 8 / 16 against the persistent kernel,
+#   mid FP8 x FP8 / BF16 and v4-flash FP8 x FP8 n = 1, two rounds (DG_WS_LEADS / DG_WS_LEAD_CASES: others),
+#   then the stage log of mid FP8 x FP8 at the first lead after 0 ($OUT/ws_lead.txt)
 #
 # .whl holds nvidia-cutlass (CuTe headers); .jit_cache holds kernels compiled on the CPU machine
 # (`python scripts/prebuild_kernels.py`), so nvcc time is not spent on device time.
@@ -158,6 +162,18 @@ if [ "${DG_RUN_WS_STAGE_LOG:-0}" = "1" ]; then
             DG_MEGA_MOE_WEIGHTS_FIRST=1 timeout -k 5 120 python3 scripts/trace.py --tasks --cold $c 2>&1 | tail -40
         done
     } 2>&1 | tee "$OUT/ws_stage_log.txt"
+fi
+if [ "${DG_RUN_WS_LEAD:-0}" = "1" ]; then
+    {
+        # Form 7's L2 weights are requested once every L1 load is issued and arrive ~6 us after the pair
+        # rows at mid FP8 n = 1 (docs/PERF.md session 51): a lead starts them earlier
+        leads=(${DG_WS_LEADS:-0 4 8 16})
+        ab_rounds "${DG_WS_LEAD_CASES:-fp8xfp8 2048 768 128 8 1 bf16xbf16 2048 768 128 8 1 fp8xfp8 4096 2048 256 6 1}" \
+            $(for l in "${leads[@]}"; do echo "DG_MEGA_MOE_WEIGHTS_FIRST=1,DG_MEGA_MOE_WS_L2_LEAD=$l"; done) DG_MEGA_MOE_WEIGHTS_FIRST=0
+        echo "=== stage log, weights-first, lead ${leads[1]:-0}, fp8xfp8 2048 768 128 8 1"
+        DG_MEGA_MOE_WEIGHTS_FIRST=1 DG_MEGA_MOE_WS_L2_LEAD=${leads[1]:-0} timeout -k 5 120 python3 scripts/trace.py --tasks --cold \
+            fp8xfp8 2048 768 128 8 1 2>&1 | tail -40
+    } 2>&1 | tee "$OUT/ws_lead.txt"
 fi
 if [ "${DG_RUN_OPERAND_PROBE:-0}" = "1" ]; then
     bash scripts/device_operand_probe.sh 2>&1 | tail -30

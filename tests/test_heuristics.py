@@ -763,3 +763,28 @@ def test_weights_first_off_when_asked_and_where_it_cannot_run():
         assert not _C.get_mega_moe_kernel_variant(1, 1, 128, 8, 2048, 768, 2, 132)['weights_first']   # 16 pairs
     finally:
         _C.set_mega_moe_weights_first(old)
+
+
+def test_weights_first_l2_lead_setting():
+    # set_mega_moe_ws_l2_lead: -1 follows DG_MEGA_MOE_WS_L2_LEAD (else 0), 0..64 units; returns the previous
+    old = _C.set_mega_moe_ws_l2_lead(12)
+    try:
+        assert _C.get_mega_moe_ws_l2_lead() == 12
+        assert _C.set_mega_moe_ws_l2_lead(0) == 12 and _C.get_mega_moe_ws_l2_lead() == 0
+        for bad in (-2, 65):
+            with pytest.raises(ValueError, match='set_mega_moe_ws_l2_lead: expected -1'):
+                _C.set_mega_moe_ws_l2_lead(bad)
+    finally:
+        _C.set_mega_moe_ws_l2_lead(old)
+    # the environment (read once per process: children)
+    code = 'from deep_gemm import _C; print(_C.get_mega_moe_ws_l2_lead())'
+    for value, expected in (('5', '5'), (None, '0'), ('64', '64')):
+        env = {k: v for k, v in os.environ.items() if k != 'DG_MEGA_MOE_WS_L2_LEAD'}
+        if value is not None:
+            env['DG_MEGA_MOE_WS_L2_LEAD'] = value
+        out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env=env, check=True)
+        assert out.stdout.strip() == expected
+    for bad in ('abc', '-1', '65', '4x'):
+        out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                             env=dict(os.environ, DG_MEGA_MOE_WS_L2_LEAD=bad))
+        assert out.returncode != 0 and 'DG_MEGA_MOE_WS_L2_LEAD: expected an integer in [0, 64]' in out.stderr, out.stderr[-500:]

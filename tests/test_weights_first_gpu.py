@@ -233,6 +233,25 @@ def test_plan_forms_back_to_back(fmt):
         _C.set_mega_moe_ws_plan(old)
 
 
+@pytest.mark.parametrize('fmt', FORMATS)
+def test_l2_lead(fmt):
+    # The L2 lead (set_mega_moe_ws_l2_lead): under the L2-after-L1 gate (forms 4-7) an L1 chunk counts as
+    # issued with `lead` units still to issue; 64 counts every chunk at its first unit. On one buffer, the
+    # lead changed between calls, small grids too (a CTA holding several chunks), each call against the
+    # reference; then back to 0
+    old_form, old_lead = _C.set_mega_moe_ws_plan(7), _C.set_mega_moe_ws_l2_lead(0)
+    try:
+        for call, (shape, n, form, lead, sms) in enumerate([(MID, 1, 7, 4, None), (MID, 1, 7, 64, None), (SMALL, 2, 5, 2, None),
+                                                            (MID, 1, 6, 8, None), (V4, 1, 7, 16, 16), (SMALL, 2, 4, 1, 3),
+                                                            (MID, 1, 7, 0, None)]):
+            _C.set_mega_moe_ws_plan(form)
+            _C.set_mega_moe_ws_l2_lead(lead)
+            check(fmt, shape, n, 200 + call, sms=sms, mask_frac=0.2 * (call % 2))
+    finally:
+        _C.set_mega_moe_ws_plan(old_form)
+        _C.set_mega_moe_ws_l2_lead(old_lead)
+
+
 # FP8 x FP4 weights (issue 4) the transform finds awkward, through the weights-first kernel's
 # register expansion: clamped deltas, all-zero rows, the largest magnitude in every group
 @pytest.mark.fp8xfp4

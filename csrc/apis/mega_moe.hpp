@@ -171,6 +171,23 @@ inline void register_apis(py::module_& m) {
           "every L1 weight): units, chunk length\n"
           "and chunks per phase. Works without a GPU.");
 
+    m.def("set_mega_moe_ws_l2_lead",
+          [](int lead) {
+              if (lead < -1 or lead > jit_kernels::kMegaMoEWsMaxL2Lead)
+                  throw std::invalid_argument("set_mega_moe_ws_l2_lead: expected -1 (the environment's DG_MEGA_MOE_WS_L2_LEAD), or 0.." +
+                                              std::to_string(jit_kernels::kMegaMoEWsMaxL2Lead) + " units, got " + std::to_string(lead));
+              return jit_kernels::mega_moe_ws_l2_lead_override().exchange(lead);
+          },
+          py::arg("lead"),
+          "The weights-first kernel's L2 lead for the next calls: under the plan's L2-after-L1 gate (forms 4-7), an L1\n"
+          "chunk counts as issued once at most `lead` of its units are left to issue, so L2 weight loads start that\n"
+          "much earlier (0: after every L1 load); -1 (the start) follows DG_MEGA_MOE_WS_L2_LEAD, else 0. Returns the\n"
+          "previous setting. A tuning aid for tests and benchmarks (docs/KERNEL.md).");
+
+    m.def("get_mega_moe_ws_l2_lead", [] { return jit_kernels::select_mega_moe_ws_l2_lead(); },
+          "The L2 lead the next weights-first call runs with (set_mega_moe_ws_l2_lead, else DG_MEGA_MOE_WS_L2_LEAD, else 0).\n"
+          "Works without a GPU.");
+
     m.def("set_mega_moe_ws_plan",
           [](int form) {
               if (form < -1 or form >= kMegaMoEWsPlanForms)

@@ -243,6 +243,34 @@ inline int select_mega_moe_ws_plan() {
     return set >= 0 ? set : env_form >= 0 ? env_form : kMegaMoEWsDefaultPlan;
 }
 
+// The weights-first kernel's L2 lead (MegaMoEParams::ws_l2_lead: under the plan's L2-after-L1 gate, an
+// L1 chunk counts as issued with at most this many units left to issue) set at run time
+// (_C.set_mega_moe_ws_l2_lead); -1: the tuning aid DG_MEGA_MOE_WS_L2_LEAD = 0..kMegaMoEWsMaxL2Lead
+// (read once per process), else 0 (L2 weights after every L1 load: form 7 as timed in session 51)
+constexpr int kMegaMoEWsMaxL2Lead = 64;
+inline std::atomic<int>& mega_moe_ws_l2_lead_override() {
+    static std::atomic<int> lead{-1};
+    return lead;
+}
+inline int select_mega_moe_ws_l2_lead() {
+    static const int env_lead = [] {
+        const std::string v = jit::get_env("DG_MEGA_MOE_WS_L2_LEAD");
+        if (v.empty()) return -1;
+        size_t used = 0;
+        int lead = -1;
+        try {
+            lead = std::stoi(v, &used);
+        } catch (const std::exception&) {
+            used = 0;
+        }
+        if (used != v.size() or lead < 0 or lead > kMegaMoEWsMaxL2Lead)
+            jit::raise_invalid_argument("DG_MEGA_MOE_WS_L2_LEAD: expected an integer in [0, ", kMegaMoEWsMaxL2Lead, "], got '", v, "'");
+        return lead;
+    }();
+    const int set = mega_moe_ws_l2_lead_override().load(std::memory_order_relaxed);
+    return set >= 0 ? set : env_lead >= 0 ? env_lead : 0;
+}
+
 // Peak HBM bandwidth (GB/s) of the current device, for the heuristic's bandwidth-dependent choices
 // where the caller does not pass it (the Python launcher does, from its cached device info: no driver
 // query per call); 0 (unknown) without a driver or a device, as on a CPU-only machine
@@ -407,6 +435,7 @@ inline SM90MegaMoELaunchPlan make_sm90_mega_moe_plan(const SM90MegaMoEArgs& a, c
     params.num_prefetch_stages_l2 = prefetch_override.second >= 0 ? std::min(prefetch_override.second, config.num_stages) : config.num_prefetch_stages_l2;
     params.l1_split_max = variant.cta_pair ? 1 : mega_moe_l1_split_max(a.mma_type);
     params.ws_plan = 0;   // per call (launch_sm90_mega_moe): the run-time override may change between calls
+    params.ws_l2_lead = 0;   // the same
     // An FP8 x FP4 code block (8 KB, contiguous) is copied as 64 rows of 128 bytes, not as the
     // 128 weight rows of 64 bytes it holds: the same bytes land at the same shared-memory offsets
     // (unswizzled), with half the box rows for the TMA unit to walk per stage (-0.5 to -1.1 % at
@@ -556,6 +585,7 @@ inline MegaMoEConfig launch_sm90_mega_moe(const SM90MegaMoEArgs& a) {
     params.host_status = reinterpret_cast<uint64_t*>(a.host_status);
     params.trace = reinterpret_cast<uint64_t*>(a.trace);
     params.ws_plan = variant.weights_first ? select_mega_moe_ws_plan() : 0;
+    params.ws_l2_lead = variant.weights_first ? select_mega_moe_ws_l2_lead() : 0;
     void* args[1 + SM90MegaMoELaunchPlan::kNumMaps] = {&params};
     for (int m = 0; m < plan.num_maps; ++m) args[1 + m] = &plan.maps[m];
     plan.launch_config.stream = reinterpret_cast<CUstream>(a.stream);

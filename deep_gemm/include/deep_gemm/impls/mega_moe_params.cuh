@@ -286,7 +286,8 @@ DG_HOST_DEVICE constexpr int mega_moe_ws_stages(MmaType t, int hidden, int inter
 // kMegaMoEWsWholeL2): a chunk is one L1 tile's whole K / one (column tile, slot)'s whole K, so an L1
 // tile needs no exchange and an L2 chunk owns its pairs' columns of its column tile outright.
 // kMegaMoEWsL2AfterL1: no L2 weight load is issued before every L1 one is (HBM serves the L1 bytes,
-// on the critical path, first; the L2 bytes stream while L1's epilogues run).
+// on the critical path, first; the L2 bytes stream while L1's epilogues run), or, with a lead
+// (MegaMoEParams::ws_l2_lead), before every L1 chunk has at most that many units left to issue.
 constexpr int kMegaMoEWsWholeL1 = 1;
 constexpr int kMegaMoEWsWholeL2 = 2;
 constexpr int kMegaMoEWsL2AfterL1 = 4;
@@ -370,6 +371,10 @@ struct MegaMoEParams {
     // The weights-first kernel's plan form (MegaMoEWsPlan: kMegaMoEWsWholeL1 | kMegaMoEWsWholeL2 |
     // kMegaMoEWsL2AfterL1), set per call
     int ws_plan;
+    // Under kMegaMoEWsL2AfterL1: an L1 chunk counts as issued once at most this many of its units are
+    // left to issue (0: all issued), so the L2 weight loads start that much earlier (a tuning aid,
+    // DG_MEGA_MOE_WS_L2_LEAD), set per call
+    int ws_l2_lead;
 };
 
 // Split-K L1 of a decode call whose L1 tiles are all narrow (build_layout; docs/KERNEL.md): each of

@@ -197,8 +197,9 @@ struct WsKernel {
         }
     }
 
-    // Before a CTA's first L2 weight load under kMegaMoEWsL2AfterL1: every L1 chunk's loads issued
-    // (bounded; the chunks are held by running CTAs, whose producers never wait on L2)
+    // Before a CTA's first L2 weight load under kMegaMoEWsL2AfterL1: every L1 chunk's loads issued, but
+    // for at most p.ws_l2_lead units each (bounded; the chunks are held by running CTAs, whose
+    // producers never wait on L2)
     __device__ bool wait_l1_issued(const MegaMoEWsPlan& plan) {
         const uint32_t* issued = counts() + L::kWsCountL1Issued;
         const uint64_t start = globaltimer_ns();
@@ -225,6 +226,7 @@ struct WsKernel {
         const int rows1 = 2 * lay.intermediate_hidden;
         uint32_t it = 0;
         bool l2_cleared = not plan.l2_after_l1;
+        const int lead = max_of(p.ws_l2_lead, 0);
         int logged = 0;   // stage log: bit 0 the first L1 chunk is logged, bit 1 the first L2 chunk
         while (ticket < total) {
             const bool l2 = ticket >= plan.chunks1;
@@ -237,6 +239,9 @@ struct WsKernel {
             }
             const bool stage_log = kWsStageLog and not (logged & (l2 ? 2 : 1));
             if constexpr (kWsStageLog) logged |= l2 ? 2 : 1;
+            // the L1 chunk's unit after whose issue it counts as issued (kWsCountL1Issued): the last
+            // one, or `lead` before it; -1: not counted (L2, or no L2-after-L1 gate)
+            const int counted_at = not l2 and plan.l2_after_l1 ? max_of(k * s_units, u_end - 1 - lead) : -1;
             for (int u = k * s_units; u < u_end; ++u, ++it) {
                 const int s = static_cast<int>(it % kNumStages);
                 if (not wait_bar(empty + s, ((it / kNumStages) & 1) ^ 1)) return;
@@ -284,8 +289,8 @@ struct WsKernel {
                 if (not l2) tma_load_2d(acts + s * kWsActBytes, tm_x, full + s, kb * BLOCK_K, 0);
                 if (it == 0) trace(kWsTraceFirstIssue);
                 if (stage_log and pos < kTraceKbSlots) trace((l2 ? kTraceKbLastIssue : kTraceKbIssue) + pos);
+                if (u == counted_at) red_release_gpu_add(counts() + L::kWsCountL1Issued, 1);
             }
-            if (not l2 and plan.l2_after_l1) red_release_gpu_add(counts() + L::kWsCountL1Issued, 1);
             // The next claim waits for a free stage: by then every resident CTA has drawn its first
             // ticket, so the first wave of chunks goes one to a CTA
             const int s = static_cast<int>(it % kNumStages);
