@@ -1,7 +1,8 @@
 """`python -m deep_gemm.bench`: the Mega MoE kernel against a plain torch MoE, swept over token counts.
 
 Per row: format, shape, tokens per rank n, fused kernel us (median of CUDA-graph replays, L2 flushed
-before each), TFLOPS, HBM GB/s, % of roofline, the baseline's us and the speedup baseline / fused.
+before each), TFLOPS, HBM GB/s, % of roofline, the decode target, the baseline's us and the speedup
+baseline / fused. The fused output checked against the baseline's is the timed replays' own.
 
     python -m deep_gemm.bench                          # every shape x format x token count
     python -m deep_gemm.bench --quick --json b.json --plot b.png
@@ -14,6 +15,8 @@ Definitions (all ranks' tokens together; `deep_gemm.testing.bench_utils` has the
     HBM GB/s       (weights of the distinct experts touched + x, scales, routing, y) / t
     roofline       max(touched weight bytes / 4.0 TB/s, FLOPs / peak); peak 1450 TFLOPS FP8,
                    756 TFLOPS BF16 (H200, DESIGN.md §8); % of roofline = 100 * roofline / t
+    tgt us         touched weight bytes / 4.0 TB/s + 10 us: DESIGN.md §8's decode target on one GPU
+                   (JSON: target_us, meets_target)
     baseline       torch: route (sort by expert), grouped GEMM L1, SwiGLU, grouped GEMM L2,
                    weighted scatter-add, on the same quantized weights (dequantized to BF16 where
                    torch has no FP8 block-scaled grouped GEMM), in a CUDA graph
@@ -41,8 +44,8 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from .testing.bench_utils import (MMA_TYPES, PEAK_FLOPS, HBM_BYTES_PER_S, L2Flusher, MoEShape, TorchMoEBaseline,
-                                  routing_counts, row_metrics, time_callable)
+from .testing.bench_utils import (DECODE_TARGET_SLACK_US, MMA_TYPES, PEAK_FLOPS, HBM_BYTES_PER_S, L2_FLUSH_BYTES, L2Flusher,
+                                  MoEShape, TorchMoEBaseline, routing_counts, row_metrics, time_callable)
 from .testing import ep_bench
 from .testing.ep_bench import EP_SHAPES, EP_TOKENS
 
@@ -50,6 +53,7 @@ SHAPES: Dict[str, MoEShape] = {
     'deepseek-v3': MoEShape('deepseek-v3', 7168, 2048, 256, 8),
     'mid': MoEShape('mid', 2048, 768, 128, 8),
     'v4-flash': MoEShape('v4-flash', 4096, 2048, 256, 6),
+    'small': MoEShape('small', 512, 256, 16, 4),   # the GPU tests' small shape (issue 3's "one small shape")
 }
 DEFAULT_TOKENS = (1, 8, 32, 128, 512, 2048, 8192)
 DEFAULT_REPS = 30
@@ -150,7 +154,8 @@ def make_row(mma_type: str, shape: MoEShape, n: int, ep: int, status: str = 'ok'
         format=mma_type, shape=shape.name, hidden=shape.hidden, intermediate=shape.intermediate,
         experts=shape.num_experts, topk=shape.num_topk, ep=ep, n=n, tokens=n * ep, routed_pairs=None,
         experts_touched=None, fused_us=None, fused_timing=None, tflops=None, hbm_gbs=None, pct_roofline=None,
-        roofline_us=None, flops=None, weight_bytes=None, act_bytes=None, baseline=None, baseline_us=None,
+        roofline_us=None, target_us=None, meets_target=None, flops=None, weight_bytes=None, act_bytes=None,
+        baseline=None, baseline_us=None,
         baseline_timing=None, speedup=None, diff=None, kernel=None, status=status, note='')
     unknown = set(fields) - set(row)
     if unknown:
@@ -172,7 +177,8 @@ def _fmt(value: object, digits: int = 1) -> str:
 _COLUMNS = (  # header, key, digits, minimum width (so that rows printed one at a time line up)
     ('format', 'format', 0, 9), ('shape', 'shape', 0, 11), ('ep', 'ep', 0, 2), ('n', 'n', 0, 5),
     ('fused us', 'fused_us', 1, 8), ('TFLOPS', 'tflops', 1, 6), ('GB/s', 'hbm_gbs', 0, 5),
-    ('% roof', 'pct_roofline', 1, 6), ('roof us', 'roofline_us', 1, 7), ('base us', 'baseline_us', 1, 8),
+    ('% roof', 'pct_roofline', 1, 6), ('roof us', 'roofline_us', 1, 7), ('tgt us', 'target_us', 1, 7),
+    ('base us', 'baseline_us', 1, 8),
     ('speedup', 'speedup', 2, 7), ('diff', 'diff', 0, 7), ('baseline', 'baseline', 0, 0),
 )
 
@@ -192,7 +198,7 @@ def format_table(rows: Sequence[Dict[str, object]], header: bool = True) -> str:
     for i, line in enumerate(cells):
         if i == 0 and not header:
             continue
-        out.append('  '.join(c.rjust(w) if 2 <= j <= 11 else c.ljust(w) for j, (c, w) in enumerate(zip(line, widths)))
+        out.append('  '.join(c.rjust(w) if 2 <= j <= 12 else c.ljust(w) for j, (c, w) in enumerate(zip(line, widths)))
                    .rstrip())
         if i == 0:
             out.append('-' * len(out[-1]))
@@ -273,8 +279,10 @@ def bench_row(mma_type: str, shape: MoEShape, n: int, ep: int, weights, buffers,
     fused = None
     try:
         ys = run_ranks(weights, inputs, buffers, streams=streams)
+        # y poisoned after the warm-up: the output checked below is the timed replays' own
         timing = time_callable(_fused_launcher(fn, weights, buffers, ys, streams), reps, flush,
-                               try_graph=ep == 1, why_eager=f'{ep} virtual ranks on {ep} streams')
+                               try_graph=ep == 1, why_eager=f'{ep} virtual ranks on {ep} streams',
+                               before_timing=lambda: [y.fill_(float('nan')) for y in ys])
         for buf in buffers:
             buf.check()
         fused = torch.cat(ys)
@@ -423,13 +431,19 @@ def run_cpu_reference(reps: int = CPU_REPS) -> Dict[str, object]:
 # Outputs
 # --------------------------------------------------------------------------------------------------
 
+def _reps_of(argv: Optional[Sequence[str]]) -> int:
+    """The timed replays per row of the run with these arguments."""
+    return parse_args(argv).reps
+
+
 def run_metadata(argv: Optional[Sequence[str]], mode: str) -> Dict[str, object]:
     """What the JSON records about the run besides its rows."""
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     return dict(mode=mode, gpu=gpu, torch=torch.__version__, python=platform.python_version(),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
                 command=' '.join(['python -m deep_gemm.bench', *(sys.argv[1:] if argv is None else argv)]),
-                hbm_bytes_per_s=HBM_BYTES_PER_S, peak_flops=dict(PEAK_FLOPS))
+                hbm_bytes_per_s=HBM_BYTES_PER_S, peak_flops=dict(PEAK_FLOPS), decode_target_slack_us=DECODE_TARGET_SLACK_US,
+                reps=_reps_of(argv), l2_flush_bytes=L2_FLUSH_BYTES)
 
 
 def write_json(path: str, rows: Sequence[Dict[str, object]], meta: Dict[str, object]) -> None:
@@ -455,7 +469,8 @@ def plot_rows(rows: Sequence[Dict[str, object]], path: str, title: str = '') -> 
         return False
     series: Dict[str, List[Dict[str, object]]] = {}
     for row in rows:
-        if row.get('fused_us') or row.get('baseline_us'):
+        # a row whose output was wrong (or that raised) has no performance to show
+        if row.get('status') == 'ok' and (row.get('fused_us') or row.get('baseline_us')):
             series.setdefault(f'{row["format"]} {row["shape"]}', []).append(row)
     if not series:
         print(f'# nothing was timed: no plot written to {path}')

@@ -482,6 +482,18 @@ class _LaunchRecorder:
         return 132
 
 
+def _recorded_launches(monkeypatch, recorder=None, device_index=0):
+    """A Case('fp8xfp8') whose launches go to `recorder` (a _LaunchRecorder; a new one by default), with
+    the constants a GPU would give its buffer (`device_index`'s)."""
+    from deep_gemm.mega import launch
+    recorder = recorder or _LaunchRecorder()
+    monkeypatch.setattr(launch, '_C', recorder)
+    monkeypatch.setattr(launch, '_raw_stream', lambda index: 0x5eed)
+    case = Case('fp8xfp8')
+    case.buf._launch_device_constants = (device_index, 232448, 4917)
+    return recorder, case
+
+
 def test_launcher_passes_each_argument_in_its_place(monkeypatch, case):
     # The Python launcher calls _C positionally (keyword matching costs host time): each value must
     # land on its parameter, and the binding must accept them all
@@ -518,11 +530,7 @@ def test_launcher_passes_each_argument_in_its_place(monkeypatch, case):
 def test_stage_launcher_passes_each_argument_in_its_place(monkeypatch):
     from deep_gemm import _C
     from deep_gemm.mega import launch
-    recorder = _LaunchRecorder()
-    monkeypatch.setattr(launch, '_C', recorder)
-    monkeypatch.setattr(launch, '_raw_stream', lambda index: 0x5eed)
-    case = Case('fp8xfp8')
-    case.buf._launch_device_constants = (0, 232448, 4917)
+    recorder, case = _recorded_launches(monkeypatch)
     x = torch.randn(5, H + 8).bfloat16()[:, :H]   # strided rows
     idx, w = torch.randint(0, E, (5, K)), torch.rand(5, K)
     assert case.buf._stage_problem(x, idx, w) is None
@@ -573,10 +581,7 @@ def test_launch_on_another_device_says_so(monkeypatch, which):
             raise RuntimeError('cuLaunchKernel failed: invalid resource handle')
         launch_mega_moe_stage = launch_mega_moe
 
-    monkeypatch.setattr(launch, '_C', Failing())
-    monkeypatch.setattr(launch, '_raw_stream', lambda index: 0x5eed)
-    case = Case('fp8xfp8')
-    case.buf._launch_device_constants = (1, 232448, 4917)
+    _, case = _recorded_launches(monkeypatch, Failing(), device_index=1)
 
     def run():
         if which == 'call':
@@ -598,11 +603,7 @@ def test_error_of_an_earlier_call_raises_before_the_next_launch(monkeypatch):
     # buffers make a pinned one); clear_error() / reset() forget the error and calls launch again.
     from deep_gemm import _C
     from deep_gemm.mega import launch, status
-    recorder = _LaunchRecorder()
-    monkeypatch.setattr(launch, '_C', recorder)
-    monkeypatch.setattr(launch, '_raw_stream', lambda index: 0x5eed)
-    case = Case('fp8xfp8')
-    case.buf._launch_device_constants = (0, 232448, 4917)
+    recorder, case = _recorded_launches(monkeypatch)
     mirror = torch.zeros(_C.kNumStatusWords, dtype=torch.int64)
     case.buf._host_status, case.buf._host_status_words = mirror, mirror.numpy()
 

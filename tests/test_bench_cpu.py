@@ -35,7 +35,7 @@ FP8_TOL = 1e-3
 
 def test_parse_args_defaults():
     args = bench.parse_args([])
-    assert args.shapes == ['deepseek-v3', 'mid', 'v4-flash']
+    assert args.shapes == ['deepseek-v3', 'mid', 'v4-flash', 'small']
     assert args.tokens == [1, 8, 32, 128, 512, 2048, 8192]
     assert args.formats == ['fp8xfp8', 'bf16xbf16', 'fp8xfp4']
     assert (args.ep, args.reps, args.quick, args.json, args.plot) == (1, bench.DEFAULT_REPS, False, None, None)
@@ -97,6 +97,17 @@ def test_roofline_decode_is_memory_bound():
     # Not timed: only the time-free quantities
     m = bu.row_metrics('fp8xfp8', bench.SHAPES['v4-flash'], 1, 6, 6, None)
     assert m['tflops'] is None and m['pct_roofline'] is None and m['roofline_us'] == pytest.approx(37.757952)
+    assert m['meets_target'] is None
+
+
+def test_decode_target():
+    # DESIGN.md §8: weight bytes / 4.0 TB/s + 10 us; v4-flash fp8, one token, 6 experts: 47.757952 us
+    s = bench.SHAPES['v4-flash']
+    assert bu.row_metrics('fp8xfp8', s, 1, 6, 6, None)['target_us'] == pytest.approx(47.757952)
+    assert bu.row_metrics('fp8xfp8', s, 1, 6, 6, 47.7)['meets_target'] is True
+    assert bu.row_metrics('fp8xfp8', s, 1, 6, 6, 47.8)['meets_target'] is False
+    # mid fp8, one token, 8 experts of 4,719,744 bytes: 19.44 us (issue 3's mid one-token bar is 2x the floor: 18.9)
+    assert bu.row_metrics('fp8xfp8', bench.SHAPES['mid'], 1, 8, 8, None)['target_us'] == pytest.approx(8 * 4719744 / 4e6 + 10)
 
 
 def test_roofline_prefill_is_compute_bound():
@@ -319,10 +330,12 @@ def test_not_built_formats_become_rows(monkeypatch):
     assert 'issue 4' in rows[0]['note']
 
 
-def _cpu_sweep(monkeypatch, mma_type, ep, corrupt=None):
+def _cpu_sweep(monkeypatch, mma_type, ep, corrupt=None, replays_write=True):
     # The GPU sweep (weights, virtual-rank buffers, staging, fused + baseline timing, row metrics) run on
     # the CPU: the kernel is replaced by the emulating reference (through `corrupt`, if given) and
-    # CUDA timing by a fixed number. Returns the rows and the launches the stand-in saw.
+    # CUDA timing by a fixed number. Returns the rows and the launches the stand-in saw. The timing
+    # stand-in runs the launcher, then `before_timing` (the sweep poisons y there), then the launcher
+    # again as the timed run; `replays_write=False`: the launcher writes nothing (a broken replay).
     from deep_gemm.mega import api
     from deep_gemm.testing import virtual_ranks
 
@@ -332,13 +345,28 @@ def _cpu_sweep(monkeypatch, mma_type, ep, corrupt=None):
     monkeypatch.setattr(moe_case, 'make_buffers', lambda t, r, e, n, k, h, i: virtual_ranks.make_virtual_ranks(
         r, e, n, k, h, i, t, device='cpu'))
     corrupt = corrupt or (lambda y: y)
-    monkeypatch.setattr(moe_case, 'run_ranks', lambda weights, inputs, buffers, streams: [
-        corrupt(moe_case.reference(weights, inp).bfloat16()) for inp in inputs])
+    answers = {}   # each y's answer, which a launch writes into it again
+
+    def run_ranks(weights, inputs, buffers, streams):
+        ys = [corrupt(moe_case.reference(weights, inp).bfloat16()) for inp in inputs]
+        answers.update((id(y), y.clone()) for y in ys)
+        return ys
+    monkeypatch.setattr(moe_case, 'run_ranks', run_ranks)
     launches = []
-    monkeypatch.setattr(api, 'bf16_mega_moe', lambda *a: launches.append(a))
-    monkeypatch.setattr(api, 'fp8_mega_moe', lambda *a: launches.append(a))
-    monkeypatch.setattr(bench, 'time_callable', lambda fn, reps, flush, try_graph, why_eager: bu.Timing(
-        10.0, 'graph' if try_graph else f'eager: {why_eager}', fn()))
+
+    def launch(y, *rest):
+        launches.append((y, *rest))
+        if replays_write:
+            y.copy_(answers[id(y)])
+    monkeypatch.setattr(api, 'bf16_mega_moe', launch)
+    monkeypatch.setattr(api, 'fp8_mega_moe', launch)
+
+    def time_callable(fn, reps, flush, try_graph, why_eager, before_timing=None):
+        fn()
+        if before_timing is not None:
+            before_timing()
+        return bu.Timing(10.0, 'graph' if try_graph else f'eager: {why_eager}', fn())
+    monkeypatch.setattr(bench, 'time_callable', time_callable)
 
     class Streams:
         def __init__(self, n):
@@ -364,7 +392,7 @@ def _cpu_sweep(monkeypatch, mma_type, ep, corrupt=None):
 def test_sweep_plumbing_with_cpu_stand_ins(monkeypatch, mma_type, ep):
     rows, launches = _cpu_sweep(monkeypatch, mma_type, ep)
     assert [(r['n'], r['tokens'], r['status']) for r in rows] == [(1, ep, 'ok'), (16, 16 * ep, 'ok')]
-    assert len(launches) == 2 * ep   # one launch per rank per row (the timing stand-in calls it once)
+    assert len(launches) == 2 * 2 * ep   # per row and rank, the timing stand-in's two launches
     for row in rows:
         assert row['fused_us'] == 10.0 and row['baseline_us'] == 10.0 and row['speedup'] == 1.0
         assert row['fused_timing'] == ('graph' if ep == 1 else f'eager: {ep} virtual ranks on {ep} streams')
@@ -389,6 +417,14 @@ def test_wrong_fused_output_fails_the_row_and_the_run(monkeypatch, capsys):
     monkeypatch.setattr(bench, 'run_gpu', lambda args: rows)
     assert bench.main(['--quick']) == 1
     assert '2 row(s) failed: fp8xfp8 tiny n=1 (mismatch), fp8xfp8 tiny n=16 (mismatch)' in capsys.readouterr().out
+
+
+def test_fused_output_checked_is_the_timed_runs_own(monkeypatch):
+    # The output compared with the baseline's is what the timed runs wrote (y is poisoned after the
+    # warm-up): a replay that writes nothing fails the row, although the warm-up's answer was right
+    rows, _ = _cpu_sweep(monkeypatch, 'bf16xbf16', 1, replays_write=False)
+    assert [r['status'] for r in rows] == ['mismatch', 'mismatch']
+    assert all(r['diff'] is None or not r['diff'] < bench.DIFF_WARNING for r in rows)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -191,21 +191,27 @@ def test_debug_and_ptxas_verbose_output(requires_nvcc, jit_cache_dir, monkeypatc
     assert 'cache hit' in capfd.readouterr().err
 
 
+def _fake_nvcc(tmp_path, seconds):
+    """A stand-in nvcc (for DG_NVCC) that sleeps `seconds` per compile and writes a fake cubin."""
+    fake_nvcc = tmp_path / 'fake_nvcc'
+    fake_nvcc.write_text(textwrap.dedent(f'''\
+        #!/bin/sh
+        if [ "$1" = "--version" ]; then echo "fake nvcc 0.1"; exit 0; fi
+        prev=""; out=""
+        for arg in "$@"; do [ "$prev" = "-o" ] && out="$arg"; prev="$arg"; done
+        sleep {seconds}
+        printf '\\177ELF fake cubin' > "$out"
+    '''))
+    fake_nvcc.chmod(0o755)
+    return fake_nvcc
+
+
 def test_concurrent_compiles_publish_once(tmp_path):
     """Threads and processes racing on one kernel all get the same complete directory.
 
     Uses a stand-in nvcc (DG_NVCC) that sleeps, so the race is wide and no real compiler runs.
     """
-    fake_nvcc = tmp_path / 'fake_nvcc'
-    fake_nvcc.write_text(textwrap.dedent('''\
-        #!/bin/sh
-        if [ "$1" = "--version" ]; then echo "fake nvcc 0.1"; exit 0; fi
-        prev=""; out=""
-        for arg in "$@"; do [ "$prev" = "-o" ] && out="$arg"; prev="$arg"; done
-        sleep 0.5
-        printf '\\177ELF fake cubin' > "$out"
-    '''))
-    fake_nvcc.chmod(0o755)
+    fake_nvcc = _fake_nvcc(tmp_path, 0.5)
     code = '''
         import threading
         import deep_gemm.jit as jit
@@ -234,16 +240,7 @@ def test_concurrent_compiles_publish_once(tmp_path):
 def test_start_up_compiles_release_the_gil(tmp_path):
     """`_C.prepare_mega_moe` (prepare_mega_moe_kernels) and `_C.compile_mega_moe_stage` run nvcc without
     holding the GIL: a Python thread keeps running while a stand-in nvcc sleeps 1 s per kernel."""
-    fake_nvcc = tmp_path / 'fake_nvcc'
-    fake_nvcc.write_text(textwrap.dedent('''\
-        #!/bin/sh
-        if [ "$1" = "--version" ]; then echo "fake nvcc 0.1"; exit 0; fi
-        prev=""; out=""
-        for arg in "$@"; do [ "$prev" = "-o" ] && out="$arg"; prev="$arg"; done
-        sleep 1
-        printf '\\177ELF fake cubin' > "$out"
-    '''))
-    fake_nvcc.chmod(0o755)
+    fake_nvcc = _fake_nvcc(tmp_path, 1)
     code = '''
         import threading, time
         import deep_gemm.jit as jit

@@ -29,6 +29,9 @@ from .reference import calc_diff
 
 # Attainable HBM streaming rate on the H200, bytes/s (copy measured at 4.2e12)
 HBM_BYTES_PER_S = 4.0e12
+# DESIGN.md §8's decode target on one GPU: the touched experts' weight bytes at HBM_BYTES_PER_S plus
+# this many microseconds (the rows report it for every n; it is a decode target)
+DECODE_TARGET_SLACK_US = 10.0
 # Dense GEMM ceilings measured on the H200 (torch._scaled_mm / torch.mm at 8192^3). fp8xfp4 runs FP8
 # WGMMA after expanding E2M1 to E4M3 in shared memory, so it shares the FP8 ceiling.
 PEAK_FLOPS: Dict[str, float] = {'fp8xfp8': 1450e12, 'fp8xfp4': 1450e12, 'bf16xbf16': 756e12}
@@ -117,20 +120,23 @@ def row_metrics(mma_type: str, shape: MoEShape, num_tokens: int, num_routed_pair
                 num_experts_touched: int, time_us: Optional[float]) -> Dict[str, Optional[float]]:
     """Everything a benchmark row derives from one timing (all ranks' tokens together).
 
-    Returns a dict: flops, weight_bytes (touched experts), act_bytes, roofline_us, and — None when
+    Returns a dict: flops, weight_bytes (touched experts), act_bytes, roofline_us, target_us (the
+    decode target: weight bytes at HBM_BYTES_PER_S + DECODE_TARGET_SLACK_US), and — None when
     `time_us` is None — tflops, hbm_gbs ((weight + activation bytes) / t), pct_roofline (100 *
-    roofline / t).
+    roofline / t), meets_target (t <= target_us).
     """
     flops = moe_flops(shape.hidden, shape.intermediate, num_routed_pairs)
     w_bytes = num_experts_touched * weight_bytes_per_expert(mma_type, shape.hidden, shape.intermediate)
     a_bytes = activation_bytes(mma_type, num_tokens, shape.hidden, shape.num_topk)
     floor = roofline_us(mma_type, w_bytes, flops)
+    target = w_bytes / HBM_BYTES_PER_S * 1e6 + DECODE_TARGET_SLACK_US
     out: Dict[str, Optional[float]] = dict(flops=flops, weight_bytes=w_bytes, act_bytes=a_bytes,
-                                           roofline_us=floor, tflops=None, hbm_gbs=None, pct_roofline=None)
+                                           roofline_us=floor, target_us=target, tflops=None, hbm_gbs=None,
+                                           pct_roofline=None, meets_target=None)
     if time_us is not None and time_us > 0:
         seconds = time_us * 1e-6
         out.update(tflops=flops / seconds / 1e12, hbm_gbs=(w_bytes + a_bytes) / seconds / 1e9,
-                   pct_roofline=100.0 * floor / time_us)
+                   pct_roofline=100.0 * floor / time_us, meets_target=time_us <= target)
     return out
 
 
@@ -199,11 +205,14 @@ def event_median_us(run: Callable[[], object], reps: int, flush: Optional[Callab
 
 
 def time_callable(fn: Callable[[], object], reps: int, flush: Optional[Callable[[], None]],
-                  try_graph: bool = True, why_eager: str = 'not capturable') -> Timing:
+                  try_graph: bool = True, why_eager: str = 'not capturable',
+                  before_timing: Optional[Callable[[], None]] = None) -> Timing:
     """Time `fn` (already warmed up: JIT compiled) as a CUDA-graph replay, or eagerly if capture fails.
 
     `why_eager` is the note when `try_graph` is False. The output of the last replay is returned
-    (the graph's output tensors hold it).
+    (the graph's output tensors hold it). `before_timing` runs after the capture and its warm-up
+    calls, before the timed runs: poisoning an output there makes what it holds afterwards the timed
+    runs' own (a replay that wrote nothing leaves the poison).
     """
     if try_graph:
         try:
@@ -211,6 +220,8 @@ def time_callable(fn: Callable[[], object], reps: int, flush: Optional[Callable[
         except Exception as e:  # noqa: BLE001 - any capture failure means: time it eagerly
             why_eager = f'capture failed: {type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ""}'
         else:
+            if before_timing is not None:
+                before_timing()
             us = event_median_us(graph.replay, reps, flush)
             return Timing(us, 'graph', out)
     box: List[object] = [None]
@@ -219,6 +230,8 @@ def time_callable(fn: Callable[[], object], reps: int, flush: Optional[Callable[
         box[0] = fn()
 
     run()
+    if before_timing is not None:
+        before_timing()
     us = event_median_us(run, reps, flush)
     return Timing(us, f'eager: {why_eager}', box[0])
 

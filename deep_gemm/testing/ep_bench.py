@@ -363,6 +363,7 @@ def _bench_ep_row(rank: int, world_size: int, mma_type: str, shape: MoEShape, n:
         failed = [(r, why) for r, why in enumerate(step.gathered) if why]
         how = 'graph' if not failed else f'eager: capture failed on rank {failed[0][0]}: {failed[0][1]}'
         run = graph.replay if not failed else (lambda: fn(y, l1, l2, buf))
+        y.fill_(float('nan'))   # after the warm-up: the output checked below is the timed runs' own
         dist.barrier()
         with all_ranks_agree('fused timing'):
             us = event_median_us(run, reps, flush)
@@ -401,7 +402,8 @@ def _bench_ep_row(rank: int, world_size: int, mma_type: str, shape: MoEShape, n:
             notes.append(f'baseline: {baseline.error}')
         if fused_y is not None and n > 0:
             fields['diff'] = diff = calc_diff(fused_y.float(), box[-1].float())
-            if not diff < bench.DIFF_WARNING:
+            if not diff < bench.DIFF_WARNING:   # a wrong answer fails the run, as in bench.bench_row
+                fields['status'] = 'mismatch'
                 notes.append(f'CHECK: fused and baseline outputs disagree (calc_diff {diff:.1e})')
     except RanksFailed as e:
         notes.append(f'baseline: {_failure_text(e)}')
@@ -583,5 +585,5 @@ def run(args, argv: Optional[Sequence[str]] = None) -> int:
             return 3
     if rows is None:
         return 0
-    return 1 if any(r['status'] == 'error' for r in rows) else 0
+    return 1 if any(r['status'] in ('error', 'mismatch') for r in rows) else 0
 
