@@ -18,8 +18,10 @@ Definitions (all ranks' tokens together; `deep_gemm.testing.bench_utils` has the
     tgt us         touched weight bytes / 4.0 TB/s + 10 us: DESIGN.md §8's decode target on one GPU
                    (JSON: target_us, meets_target)
     baseline       torch: route (sort by expert), grouped GEMM L1, SwiGLU, grouped GEMM L2,
-                   weighted scatter-add, on the same quantized weights (dequantized to BF16 where
-                   torch has no FP8 block-scaled grouped GEMM), in a CUDA graph
+                   weighted scatter-add, on the same weights, in a CUDA graph: FP8 block-scaled
+                   where torch has it, else (FP8 x FP8, FP8 x FP4) FP8 re-quantized with a scale
+                   per weight row and per token (torch's rowwise FP8 grouped GEMM), else BF16 on
+                   the dequantized weights; the row's `baseline` column says which ran
 
 --ep N > 1 with N GPUs visible runs N processes, one per GPU, over NVLink (symmetric memory), and
 reports per rank also NVLink GB/s, against an all_to_all + grouped GEMM baseline

@@ -27,6 +27,9 @@ from deep_gemm.utils import dequant_per_block_fp8, dequant_per_token_fp8, per_bl
 # A real mismatch (a wrong expert, scale or gate/up row) is 1e-2 or more.
 BF16_TOL = 1e-4
 FP8_TOL = 1e-3
+# the rowwise FP8 baseline re-quantizes x, the weights and h (three E4M3 roundings: 1.9e-3 measured
+# on this file's problem): its selection bound, 5e-3
+ROWWISE_TOL = 5e-3
 
 
 # --------------------------------------------------------------------------------------------------
@@ -196,11 +199,13 @@ def test_baseline_select_falls_back_to_loop(monkeypatch):
     b = bu.TorchMoEBaseline(l1, l2, weight_format='fp8xfp8')
     note = b.select(x.bfloat16(), None, idx, w)
     assert b.mode == bu.GEMM_LOOP and not b.capturable
-    assert note == 'grouped_mm: RuntimeError: grouped_mm is not available'
+    # the rowwise FP8 path (a quantized format) has no CPU kernel either
+    assert note.startswith('scaled_grouped_mm rowwise: ')
+    assert note.endswith('; grouped_mm: RuntimeError: grouped_mm is not available')
     assert b.describe() == 'torch matmul loop bf16 (dequantized fp8 weights)'
     assert calc_diff(b(x.bfloat16(), None, idx, w).float(), reference_moe(x, idx, w, l1, l2)) < BF16_TOL
     # A broken strategy is not tried again
-    assert b.select(x.bfloat16(), None, idx, w) == 'grouped_mm unsupported here'
+    assert b.select(x.bfloat16(), None, idx, w) == 'scaled_grouped_mm rowwise unsupported here; grouped_mm unsupported here'
 
 
 def test_baseline_select_rejects_wrong_results(monkeypatch):
@@ -220,11 +225,59 @@ def test_baseline_fp8_weights():
     x_q, x_sf = per_token_cast_to_fp8(x)
     b = bu.TorchMoEBaseline(d1, d2, fp8_weights=(q1, q2), weight_format='fp8xfp8')
     note = b.select(x_q, x_sf, idx, w)
-    assert b.mode in (bu.GEMM_SCALED, bu.GEMM_GROUPED)
+    assert b.mode in (bu.GEMM_SCALED, bu.GEMM_ROWWISE, bu.GEMM_GROUPED)
     if b.mode == bu.GEMM_GROUPED:
         assert note.startswith('scaled_grouped_mm: ') and b.fp8_weights is None
     ref = reference_moe(dequant_per_token_fp8(x_q, x_sf), idx, w, d1, d2)
-    assert calc_diff(b(x_q, x_sf, idx, w).float(), ref) < FP8_TOL
+    assert calc_diff(b(x_q, x_sf, idx, w).float(), ref) < (ROWWISE_TOL if b.mode == bu.GEMM_ROWWISE else FP8_TOL)
+
+
+def test_rowwise_cast_to_fp8():
+    t = torch.randn(3, 5, 256) * torch.logspace(-3, 3, 5)[None, :, None]
+    t[1, 2] = 0.0
+    q, scale = bu.rowwise_cast_to_fp8(t)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (3, 5) and scale.dtype == torch.float32
+    assert scale[1, 2] == 1.0 and bool((q[1, 2].float() == 0).all())
+    back = q.float() * scale[..., None]
+    # each row's largest magnitude maps to 448; E4M3 keeps 3 mantissa bits: half an ulp is 2^-4 of a
+    # normal value, and values below 2^-6 x scale (subnormals) are within 2^-10 x scale
+    err = (back - t).abs()
+    assert bool((err <= 2 ** -4 * t.abs() + 2 ** -10 * scale[..., None]).all())
+    assert torch.allclose(q.float().abs().amax(-1)[scale != 1.0], torch.tensor(448.0))
+
+
+def _emulated_scaled_grouped_mm(a_q, b_q, scale_a, scale_b, offs, out_dtype, use_fast_accum):
+    # torch's rowwise FP8 grouped GEMM as defined (2-D a, 3-D b [E, K, N], groups of a's rows ending at
+    # offs): out[m, :] = scale_a[m] * (a_q[m] @ b_q[e]) * scale_b[e], in float32
+    out = torch.zeros(a_q.shape[0], b_q.shape[-1])
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        out[start:end] = (a_q[start:end].float() @ b_q[e].float()) * scale_a[start:end, None] * scale_b[e][None, :]
+        start = end
+    return out.to(out_dtype)
+
+
+@pytest.mark.parametrize('weight_format', ['fp8xfp8', 'fp8xfp4'])
+def test_baseline_rowwise_fp8_path(monkeypatch, weight_format):
+    # Where torch has an FP8 rowwise grouped GEMM (SM90) and not the block-scaled one, a quantized
+    # format's baseline runs FP8 re-quantized per weight row and per token; emulated here with
+    # torch's definition of the op: the result must match the reference within three E4M3 roundings
+    l1, l2, x, idx, w = _problem(seed=3)
+    q1, q2 = per_block_cast_to_fp8(l1), per_block_cast_to_fp8(l2)
+    d1, d2 = dequant_per_block_fp8(*q1), dequant_per_block_fp8(*q2)
+    x_q, x_sf = per_token_cast_to_fp8(x)
+    monkeypatch.setattr(torch, '_scaled_grouped_mm', _emulated_scaled_grouped_mm, raising=False)
+    b = bu.TorchMoEBaseline(d1, d2, dtype=torch.float32, weight_format=weight_format)
+    note = b.select(x_q, x_sf, idx, w)
+    assert b.mode == bu.GEMM_ROWWISE, note
+    assert b.describe() == f'torch scaled_grouped_mm fp8 rowwise (re-quantized {weight_format.split("x")[1]} weights)'
+    ref = reference_moe(dequant_per_token_fp8(x_q, x_sf), idx, w, d1, d2)
+    d = calc_diff(b(x_q, x_sf, idx, w).float(), ref)
+    assert 1e-5 < d < ROWWISE_TOL, d   # quantized (not the float path) and close
+    # BF16 weights never take it
+    bf16 = bu.TorchMoEBaseline(d1, d2, dtype=torch.float32)
+    bf16.select(x.bfloat16(), None, idx, w)
+    assert bf16.mode == bu.GEMM_GROUPED
 
 
 def test_baseline_rejects_mismatched_weights():
