@@ -270,6 +270,7 @@ def test_baseline_rowwise_fp8_path(monkeypatch, weight_format):
     b = bu.TorchMoEBaseline(d1, d2, dtype=torch.float32, weight_format=weight_format)
     note = b.select(x_q, x_sf, idx, w)
     assert b.mode == bu.GEMM_ROWWISE, note
+    assert 'scaled_grouped_mm rowwise chosen (calc_diff ' in note
     assert b.describe() == f'torch scaled_grouped_mm fp8 rowwise (re-quantized {weight_format.split("x")[1]} weights)'
     ref = reference_moe(dequant_per_token_fp8(x_q, x_sf), idx, w, d1, d2)
     d = calc_diff(b(x_q, x_sf, idx, w).float(), ref)

@@ -241,9 +241,10 @@ def test_l2_lead(fmt):
     # reference; then back to 0
     old_form, old_lead = _C.set_mega_moe_ws_plan(7), _C.set_mega_moe_ws_l2_lead(0)
     try:
-        for call, (shape, n, form, lead, sms) in enumerate([(MID, 1, 7, 4, None), (MID, 1, 7, 64, None), (SMALL, 2, 5, 2, None),
-                                                            (MID, 1, 6, 8, None), (V4, 1, 7, 16, 16), (SMALL, 2, 4, 1, 3),
-                                                            (MID, 1, 7, 0, None)]):
+        # grouped by shape: weights_for keeps one weight set (a new shape makes new weights)
+        for call, (shape, n, form, lead, sms) in enumerate([(MID, 1, 7, 4, None), (MID, 1, 7, 64, None), (MID, 1, 6, 8, None),
+                                                            (MID, 1, 7, 0, None), (SMALL, 2, 5, 2, None), (SMALL, 2, 4, 1, 3),
+                                                            (V4, 1, 7, 16, 16)]):
             _C.set_mega_moe_ws_plan(form)
             _C.set_mega_moe_ws_l2_lead(lead)
             check(fmt, shape, n, 200 + call, sms=sms, mask_frac=0.2 * (call % 2))

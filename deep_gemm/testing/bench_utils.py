@@ -459,10 +459,14 @@ class TorchMoEBaseline:
                 continue
             if diff < _SELECT_TOLERANCE[mode]:
                 self.mode = mode
+                if mode == GEMM_ROWWISE:   # its own quantization error, for the record
+                    notes.append(f'{mode} chosen (calc_diff {diff:.1e} vs the loop)')
                 return '; '.join(notes)
-            notes.append(f'{mode}: wrong result (calc_diff {diff:.2e} vs the loop)')
             if mode == GEMM_ROWWISE:   # a numerics question, not this input's: not tried again
-                self.broken[mode] = f'wrong result (calc_diff {diff:.2e} vs the loop)'
+                self.broken[mode] = f'wrong result (calc_diff {diff:.2e} vs the loop), not tried for later rows'
                 self.rowwise_weights = None
+                notes.append(f'{mode}: {self.broken[mode]}')
+            else:
+                notes.append(f'{mode}: wrong result (calc_diff {diff:.2e} vs the loop)')
         self.mode = GEMM_LOOP
         return '; '.join(notes)

@@ -240,7 +240,8 @@ struct WsKernel {
             const bool stage_log = kWsStageLog and not (logged & (l2 ? 2 : 1));
             if constexpr (kWsStageLog) logged |= l2 ? 2 : 1;
             // the L1 chunk's unit after whose issue it counts as issued (kWsCountL1Issued): the last
-            // one, or `lead` before it; -1: not counted (L2, or no L2-after-L1 gate)
+            // one, or `lead` before it; -1: not counted (L2, or no L2-after-L1 gate). Every chunk has
+            // a unit (MegaMoEWsPlan: chunks = ceil(units / s)), so each L1 chunk counts exactly once
             const int counted_at = not l2 and plan.l2_after_l1 ? max_of(k * s_units, u_end - 1 - lead) : -1;
             for (int u = k * s_units; u < u_end; ++u, ++it) {
                 const int s = static_cast<int>(it % kNumStages);
