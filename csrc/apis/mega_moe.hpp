@@ -49,9 +49,10 @@ inline void register_apis(py::module_& m) {
           py::arg("l2_weights"), py::arg("l2_weight_scales"), py::arg("l2_weight_deltas"), py::arg("stats"), py::arg("host_status"), py::arg("trace"), py::arg("stream"),
           py::arg("activation_clamp"), py::arg("fast_math"), py::arg("timeout_s"), py::arg("num_sms"),
           py::arg("max_smem_bytes"), py::arg("peers_on_this_gpu") = false, py::arg("ranks_share_gpu") = false,
-          py::arg("hbm_gbps") = -1,
+          py::arg("hbm_gbps") = -1, py::call_guard<py::gil_scoped_release>(),
           "Launch one rank's Mega MoE kernel (addresses as ints; validated by deep_gemm.mega.api). hbm_gbps:\n"
-          "the GPU's peak HBM bandwidth in GB/s (get_device_info), -1 the current device's.");
+          "the GPU's peak HBM bandwidth in GB/s (get_device_info), -1 the current device's. Runs without the\n"
+          "GIL (a first call may compile its kernel: a server's other threads run meanwhile).");
 
     m.def("get_mega_moe_programmatic_launch", [] { return jit_kernels::mega_moe_programmatic_launch(); },
           "Whether the Mega MoE and staging kernels launch as programmatic dependents of the kernel before them\n"
@@ -74,8 +75,8 @@ inline void register_apis(py::module_& m) {
           py::arg("mma_type"), py::arg("num_ranks"), py::arg("num_experts"), py::arg("num_max_tokens_per_rank"),
           py::arg("num_topk"), py::arg("hidden"), py::arg("intermediate_hidden"), py::arg("buffer"), py::arg("x"),
           py::arg("x_row_stride"), py::arg("topk_idx"), py::arg("topk_weights"), py::arg("num_tokens"),
-          py::arg("num_sms"), py::arg("stream"),
-          "Launch the input-staging kernel of SymmBuffer.stage (validated in Python).");
+          py::arg("num_sms"), py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
+          "Launch the input-staging kernel of SymmBuffer.stage (validated in Python; without the GIL).");
 
     m.def("compile_mega_moe_stage",
           [](bool fp8, bool load) {
