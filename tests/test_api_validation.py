@@ -525,6 +525,12 @@ def test_launcher_passes_each_argument_in_its_place(monkeypatch, case):
     first[names.index('num_tokens')] = N + 1
     with pytest.raises(ValueError, match='num_tokens: expected 0 <= num_tokens'):
         _C.launch_mega_moe(*first)
+    # ... and a timeout outside set_timeout's range (NaN, inf, 0), called directly
+    first[names.index('num_tokens')] = N
+    for bad in (math.nan, math.inf, 0.0):
+        first[names.index('timeout_s')] = bad
+        with pytest.raises(ValueError, match=r'timeout_s: expected a number of seconds in \(0, 1e6\]'):
+            _C.launch_mega_moe(*first)
 
 
 def test_stage_launcher_passes_each_argument_in_its_place(monkeypatch):
@@ -626,6 +632,26 @@ def test_error_of_an_earlier_call_raises_before_the_next_launch(monkeypatch):
         assert int(mirror.abs().sum()) == 0
         call()
     assert len(recorder.launches) == 3
+
+
+def test_reset_and_clear_error_wait_for_calls_in_flight(monkeypatch):
+    # A call still running (a peer's, timing out) would record its error after the reset: both
+    # recovery calls synchronize the buffer's device before clearing anything (GPU buffers only)
+    from deep_gemm.mega import status as status_mod
+    case = Case('fp8xfp8')
+    order = []
+    monkeypatch.setattr(torch.cuda, 'synchronize', lambda device=None: order.append(('sync', device)))
+    clear = status_mod.clear
+    monkeypatch.setattr(status_mod, 'clear', lambda buf, **kw: (order.append('clear'), clear(buf, **kw)))
+    for recover in (case.buf.reset, case.buf.clear_error):
+        recover()
+    assert order == ['clear', 'clear']                        # a CPU buffer: nothing to wait for
+    order.clear()
+    monkeypatch.setattr(SymmBuffer, 'device', property(lambda self: torch.device('cuda', 3)))
+    monkeypatch.setattr(case.buf, 'workspace', torch.zeros(8))   # zero_() stays on the CPU
+    for recover in (case.buf.reset, case.buf.clear_error):
+        recover()
+    assert order == [('sync', torch.device('cuda', 3)), 'clear'] * 2
 
 
 class _PrepareRecorder:

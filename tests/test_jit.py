@@ -191,8 +191,21 @@ def test_debug_and_ptxas_verbose_output(requires_nvcc, jit_cache_dir, monkeypatc
     assert 'cache hit' in capfd.readouterr().err
 
 
-def _fake_nvcc(tmp_path, seconds):
-    """A stand-in nvcc (for DG_NVCC) that sleeps `seconds` per compile and writes a fake cubin."""
+def _fake_elf(section_headers=1) -> bytes:
+    """The smallest file the JIT takes for a cubin: a 64-bit ELF header whose section header table
+    (`section_headers` entries of 64 bytes, right after it) lies within the file."""
+    header = bytearray(64)
+    header[:5] = b'\x7fELF\x02'
+    struct.pack_into('<Q', header, 0x28, 64)                  # e_shoff
+    struct.pack_into('<HH', header, 0x3a, 64, section_headers)   # e_shentsize, e_shnum
+    return bytes(header) + bytes(64 * section_headers)
+
+
+def _fake_nvcc(tmp_path, seconds, cubin=None):
+    """A stand-in nvcc (for DG_NVCC) that sleeps `seconds` per compile, writes `cubin` (default a
+    minimal valid one, `_fake_elf()`) and exits 0."""
+    template = tmp_path / 'fake.cubin'
+    template.write_bytes(_fake_elf() if cubin is None else cubin)
     fake_nvcc = tmp_path / 'fake_nvcc'
     fake_nvcc.write_text(textwrap.dedent(f'''\
         #!/bin/sh
@@ -200,7 +213,7 @@ def _fake_nvcc(tmp_path, seconds):
         prev=""; out=""
         for arg in "$@"; do [ "$prev" = "-o" ] && out="$arg"; prev="$arg"; done
         sleep {seconds}
-        printf '\\177ELF fake cubin' > "$out"
+        cp "{template}" "$out"
     '''))
     fake_nvcc.chmod(0o755)
     return fake_nvcc
@@ -232,7 +245,7 @@ def test_concurrent_compiles_publish_once(tmp_path):
     dirs = {d for out, _ in outputs for d in out.split()}
     assert len(dirs) == 1
     (kernel_dir,) = dirs
-    assert _cubin(kernel_dir) == b'\x7fELF fake cubin'
+    assert _cubin(kernel_dir) == _fake_elf()
     assert os.listdir(tmp_path / 'cache' / 'cache') == [os.path.basename(kernel_dir)]
     assert os.listdir(tmp_path / 'cache' / 'tmp') == []
 
@@ -268,6 +281,74 @@ def test_start_up_compiles_release_the_gil(tmp_path):
     ticks = dict(line.split() for line in out.stdout.split('\n') if line)
     # ~100 ticks of 10 ms per 1 s nvcc run; a call holding the GIL leaves the thread at 0-1 (its start)
     assert all(int(ticks[k]) >= 20 for k in ('prepare', 'stage')), ticks
+
+
+def test_broken_cubins_are_never_published_nor_trusted(tmp_path):
+    """nvcc on a full disk can exit 0 leaving an empty or truncated cubin: the compile fails with a
+    message saying so and publishes nothing; an entry broken in the cache (truncated later) is
+    compiled again instead of being taken as a hit."""
+    code = '''
+        import os
+        import deep_gemm.jit as jit
+        try:
+            jit.compile_kernel('k', 'int x;')
+        except RuntimeError as e:
+            print('ERROR', str(e).splitlines()[0])
+        print(os.listdir(os.environ['DG_JIT_CACHE_DIR'] + '/cache') if os.path.isdir(os.environ['DG_JIT_CACHE_DIR'] + '/cache') else [])
+    '''
+    for bad in (b'', _fake_elf()[:100], _fake_elf(0)):
+        work = tmp_path / f'bad{len(bad)}'
+        work.mkdir()
+        result = _run_python(code, {'DG_NVCC': str(_fake_nvcc(work, 0, cubin=bad)), 'DG_JIT_CACHE_DIR': str(work / 'cache')})
+        assert result.returncode == 0, result.stderr
+        assert 'ERROR deep_gemm: nvcc failed to compile kernel `k` (exit status 0; its cubin is ' in result.stdout, result.stdout
+        assert 'is the disk full?' in result.stdout and result.stdout.strip().endswith('[]')
+    # A good entry, then truncated in place: the next process compiles it again
+    work = tmp_path / 'good'
+    work.mkdir()
+    env = {'DG_NVCC': str(_fake_nvcc(work, 0)), 'DG_JIT_CACHE_DIR': str(work / 'cache')}
+    count = '''
+        import deep_gemm.jit as jit
+        from deep_gemm import _C
+        print(jit.compile_kernel('k', 'int x;'), _C.get_num_nvcc_invocations())
+    '''
+    kernel_dir, runs = _run_python(count, env).stdout.split()
+    assert runs == '1'
+    with open(os.path.join(kernel_dir, 'kernel.cubin'), 'r+b') as f:
+        f.truncate(80)
+    result = _run_python(count, env)
+    assert result.stdout.split() == [kernel_dir, '1'], result.stdout + result.stderr
+    assert 'is truncated' in result.stderr and 'compiling it again' in result.stderr
+    assert _cubin(kernel_dir) == _fake_elf()
+
+
+def test_nvcc_environment_is_part_of_the_key(tmp_path):
+    # NVCC_APPEND_FLAGS / NVCC_PREPEND_FLAGS / NVCC_CCBIN change what nvcc builds: another cache entry
+    code = '''
+        import deep_gemm.jit as jit
+        print(jit.compile_kernel('k', 'int x;'))
+    '''
+    env = {'DG_NVCC': str(_fake_nvcc(tmp_path, 0)), 'DG_JIT_CACHE_DIR': str(tmp_path / 'cache')}
+    plain = _run_python(code, env).stdout.strip()
+    appended = _run_python(code, dict(env, NVCC_APPEND_FLAGS='-DX')).stdout.strip()
+    assert plain and appended and plain != appended
+    assert _run_python(code, env).stdout.strip() == plain
+
+
+def test_deleted_cache_is_compiled_again_in_process(jit_cache_dir, tmp_path, monkeypatch):
+    # The in-process memo of compiled directories drops an entry whose directory was deleted
+    monkeypatch.setenv('DG_NVCC', str(_fake_nvcc(tmp_path, 0)))
+    jit.init(force=True)
+    try:
+        _C.set_cache_dir(str(jit_cache_dir))
+        first = jit.compile_kernel('k', 'int x;')
+        shutil.rmtree(jit_cache_dir)
+        again = jit.compile_kernel('k', 'int x;')
+        assert again == first and os.path.exists(os.path.join(again, 'kernel.cubin'))
+        assert _cubin(again) == _fake_elf()   # the stand-in compiled it (twice)
+    finally:   # the real nvcc again for the tests after this one
+        monkeypatch.delenv('DG_NVCC')
+        jit.init(force=True)
 
 
 def test_bad_nvcc_is_a_clear_error(tmp_path):

@@ -34,6 +34,7 @@
 #include <fstream>
 #include <memory>
 #include <mutex>
+#include <random>
 #include <sstream>
 #include <string>
 #include <unordered_map>
@@ -54,6 +55,33 @@ inline constexpr const char* kCubinFileName = "kernel.cubin";
 
 // The cubin inside a directory returned by `compile`.
 inline fs::path cubin_path(const fs::path& kernel_dir) { return kernel_dir / kCubinFileName; }
+
+// What is wrong with the cubin at `path` as a file (empty: nothing found): a 64-bit ELF whose section
+// header table lies within the file. nvcc on a full disk can exit 0 leaving an empty or truncated
+// cubin, which must never be published or trusted as a cache hit.
+inline std::string cubin_problem(const fs::path& path) {
+    std::ifstream in(path, std::ios::binary);
+    if (not in)
+        return "missing";
+    unsigned char h[64] = {};
+    in.read(reinterpret_cast<char*>(h), sizeof(h));
+    if (in.gcount() != static_cast<std::streamsize>(sizeof(h)) or h[0] != 0x7f or h[1] != 'E' or h[2] != 'L' or h[3] != 'F' or
+        h[4] != 2)
+        return "not a 64-bit ELF file";
+    const auto le = [&](int at, int bytes) {
+        uint64_t v = 0;
+        for (int i = bytes - 1; i >= 0; --i)
+            v = (v << 8) | h[at + i];
+        return v;
+    };
+    const uint64_t sh_offset = le(0x28, 8), sh_entry = le(0x3a, 2), sh_count = le(0x3c, 2);
+    std::error_code ec;
+    const uint64_t size = fs::file_size(path, ec);
+    if (ec or sh_count == 0 or sh_offset + sh_entry * sh_count > size)
+        return "truncated (" + std::to_string(size) + " bytes, its section headers end at byte " +
+               std::to_string(sh_offset + sh_entry * sh_count) + ")";
+    return "";
+}
 
 // ---------------------------------------------------------------------------------------------
 // Child processes
@@ -268,8 +296,12 @@ public:
             if (not initialized_)
                 raise_runtime_error("the JIT is not initialised: call deep_gemm.jit.init() (Python) or "
                                     "deep_gemm::jit::init() first");
-            if (auto it = memory_cache_.find(request); it != memory_cache_.end())
-                return it->second;
+            if (auto it = memory_cache_.find(request); it != memory_cache_.end()) {
+                std::error_code exists_ec;
+                if (fs::exists(cubin_path(it->second), exists_ec))
+                    return it->second;
+                memory_cache_.erase(it);   // the cache directory was deleted meanwhile: look it up again
+            }
             std::vector<std::string> all_extra = extra_flags;
             if (ptxas_verbose)
                 all_extra.insert(all_extra.end(), {"-Xptxas", "-v"});
@@ -286,6 +318,11 @@ public:
                 hasher.update_field(flag.rfind("-I", 0) == 0 ? std::string("-I<path>") : flag);
             hasher.update_field(nvcc_version_locked());
             hasher.update_field(header_digest_locked());
+            // nvcc's own environment variables change its output as its flags do (hashed where set:
+            // keys without them stay as they were)
+            for (const char* var : {"NVCC_APPEND_FLAGS", "NVCC_PREPEND_FLAGS", "NVCC_CCBIN"})
+                if (const std::string v = get_env(var); not v.empty())
+                    hasher.update_field(std::string(var) + "=" + v);
             // 128 bits of the digest: a short directory name, still collision-free in practice
             key = name + "_" + hasher.hex_digest().substr(0, 32);
         }
@@ -305,16 +342,27 @@ public:
         const fs::path final_dir = cache_root / "cache" / key;
         std::error_code ec;
         if (fs::exists(cubin_path(final_dir), ec)) {
-            if (debug)
-                std::fprintf(stderr, "deep_gemm JIT: %s: cache hit: %s\n", name.c_str(), final_dir.c_str());
-            remember(request, final_dir);
-            return final_dir;
+            const std::string problem = cubin_problem(cubin_path(final_dir));
+            if (problem.empty()) {
+                if (debug)
+                    std::fprintf(stderr, "deep_gemm JIT: %s: cache hit: %s\n", name.c_str(), final_dir.c_str());
+                remember(request, final_dir);
+                return final_dir;
+            }
+            // A broken entry (an earlier nvcc on a full disk, a crash before the data reached it): rebuilt
+            std::fprintf(stderr, "deep_gemm JIT: %s: the cached cubin in %s is %s: compiling it again\n", name.c_str(),
+                         final_dir.c_str(), problem.c_str());
+            fs::remove_all(final_dir, ec);
         }
 
-        // Miss: build in a private temporary directory on the same file system, then rename
+        // Miss: build in a private temporary directory on the same file system, then rename. Its name
+        // is unique across processes and hosts sharing the cache (a PID alone repeats across containers)
         static std::atomic<uint64_t> sequence{0};
+        static const uint64_t nonce = (static_cast<uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}();
+        char nonce_hex[17];
+        std::snprintf(nonce_hex, sizeof(nonce_hex), "%016llx", static_cast<unsigned long long>(nonce));
         const fs::path tmp_dir = cache_root / "tmp" /
-            (key + "." + std::to_string(getpid()) + "." + std::to_string(sequence.fetch_add(1)));
+            (key + "." + std::to_string(getpid()) + "." + nonce_hex + "." + std::to_string(sequence.fetch_add(1)));
         fs::create_directories(tmp_dir, ec);
         if (ec)
             raise_runtime_error("cannot create the JIT cache directory ", tmp_dir.string(), ": ", ec.message(),
@@ -335,10 +383,12 @@ public:
         const ProcessResult result = run_process(argv);
         const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
-        if (result.exit_code != 0 or not fs::exists(cubin_path(tmp_dir), ec)) {
+        const std::string problem = result.exit_code == 0 ? cubin_problem(cubin_path(tmp_dir)) : "";
+        if (result.exit_code != 0 or not problem.empty()) {
             if (not debug)
                 fs::remove_all(tmp_dir, ec);
-            raise_runtime_error("nvcc failed to compile kernel `", name, "` (exit status ", result.exit_code, "):\n",
+            raise_runtime_error("nvcc failed to compile kernel `", name, "` (exit status ", result.exit_code,
+                                problem.empty() ? std::string() : "; its cubin is " + problem + ": is the disk full?", "):\n",
                                 result.output, "\ncommand: ", command,
                                 debug ? "\nthe generated source is kept in " + tmp_dir.string()
                                       : std::string("\nset DG_JIT_DEBUG=1 to keep the generated source"));

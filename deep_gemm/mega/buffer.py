@@ -136,10 +136,17 @@ class SymmBuffer:
     def reset(self) -> None:
         """Zero the workspace (counters, slot tables, status): recovery after an error.
 
-        With several ranks every rank must reset before any rank calls the kernel again.
+        With several ranks every rank must reset before any rank calls the kernel again. Waits for the
+        device first: a call still in flight (a peer's, timing out) would otherwise record its error
+        after the reset, in the status words and the host mirror.
         """
+        self._wait_for_calls_in_flight()
         self.workspace.zero_()
         status.clear(self)
+
+    def _wait_for_calls_in_flight(self) -> None:
+        if self.device.type == 'cuda':
+            torch.cuda.synchronize(self.device)
 
     def _initialize(self) -> None:
         # Counters and epochs start at 0; inputs hold harmless values (no routed slot) until written.
@@ -158,8 +165,10 @@ class SymmBuffer:
 
         The call that recorded it completed and left the workspace consistent, so the counters and
         the epoch are kept and the group stays in step. After a fatal error (timeout, corrupted
-        counts, ranks out of step) use `reset()` on every rank instead.
+        counts, ranks out of step) use `reset()` on every rank instead. Waits for the device first
+        (as `reset()`).
         """
+        self._wait_for_calls_in_flight()
         status.clear(self, status_words=True)
 
     def check(self) -> None:
