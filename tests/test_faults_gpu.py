@@ -129,6 +129,50 @@ def test_duplicate_expert_overflow_is_cut_flagged_and_masked(n):
     assert_correct(w, [inp], mc.run_ranks(w, [inp], [buf]), mma_type)
 
 
+@pytest.mark.fp8xfp8
+@pytest.mark.parametrize('ranks', [1, 2])
+def test_epoch_wraps_around(ranks):
+    # The 32-bit call epoch wraps after 2^32 calls on a buffer (days of serving): the published tags
+    # (counts, combine_ready) are compared modulo 2^32. The buffers are set to the state 12 calls
+    # before the wrap (the last call's epoch in the control word and in every tag), then 24 calls run
+    # across it, n = 0..64 (one rank: some weights-first), each checked
+    mma_type = 'fp8xfp8'
+    hidden, inter, experts, topk = SMALL
+    w = mc.make_weights(mma_type, hidden, inter, experts, ranks, seed=0)
+    bufs = mc.make_buffers(mma_type, ranks, experts, 64, topk, hidden, inter)
+    streams = mc.VirtualRankStreams(ranks)
+    last = 2 ** 32 - 12
+
+    def as_int(value, bits):   # the same bits as a signed integer of `bits`
+        return (value + 2 ** (bits - 1)) % 2 ** bits - 2 ** (bits - 1)
+    for b in bufs:
+        def words(name, dtype):
+            offset, num_bytes = b.layout[name]
+            return b.workspace[offset:offset + num_bytes].view(dtype)
+        words('control', torch.int32)[_C.kControlEpoch] = as_int(last, 32)
+        words('recv_count', torch.int64).fill_(as_int(last << 32, 64))   # tag `last`, count 0
+        words('combine_ready', torch.int64).fill_(last)
+    torch.cuda.synchronize()
+    g = torch.Generator().manual_seed(5)
+    old = _C.set_mega_moe_weights_first(1)   # this suite pins the persistent kernel; both advance the epoch
+    try:
+        for call in range(24):
+            ns = torch.randint(0, 65, (ranks,), generator=g).tolist()
+            if call % 4 == 0:
+                ns = [1] * ranks   # one token: the weights-first kernel at one rank
+            inputs = mc.make_inputs(mma_type, ns, hidden, experts, topk, seed=700 + call, mask_frac=0.2 * (call % 2))
+            ys = mc.run_ranks(w, inputs, bufs, streams=streams)
+            for b in bufs:
+                b.check()
+            assert_correct(w, inputs, ys, mma_type)
+    finally:
+        _C.set_mega_moe_weights_first(old)
+    for b in bufs:
+        offset = b.layout['control'][0]
+        epoch = int(b.workspace[offset:offset + b.layout['control'][1]].view(torch.int32)[_C.kControlEpoch]) % 2 ** 32
+        assert epoch == (last + 24) % 2 ** 32 == 12
+
+
 SPIN_SOURCE = r'''
 extern "C" __global__ void spin(unsigned long long duration_ns) {
     unsigned long long start, now;

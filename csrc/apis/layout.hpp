@@ -188,6 +188,7 @@ inline void register_apis(pybind11::module_& m) {
     m.attr("kStatusError") = buffer_layout::kStatusError;
     m.attr("kStatusAbort") = buffer_layout::kStatusAbort;
     m.attr("kNumStatusWords") = buffer_layout::kNumStatusWords;
+    m.attr("kControlEpoch") = buffer_layout::kControlEpoch;   // the control word (uint32) holding the last call's epoch
     // Formats and development aids whose numbers Python code must agree with
     m.attr("kMegaMoEDeltaBlockBytes") = kMegaMoEDeltaBlockBytes;
     py::list fp4_packed_byte;     // [k_byte] -> byte of the row's permuted 64 (transform.py must agree)

@@ -603,6 +603,14 @@ struct Kernel {
         __syncthreads();
     }
 
+    // How many calls a published tag (a count's upper word, a combine_ready flag) is ahead of this
+    // call's epoch: < 0 not yet published, 0 this call's, > 0 a peer's later call. The difference
+    // is taken modulo 2^32, so the 32-bit epoch may wrap (after 2^32 calls on a buffer: ~16 days
+    // of a buffer shared by 60 layers at 50 steps/s) while tags stay within a call or two of it
+    __device__ static int32_t calls_ahead(uint64_t tag, uint32_t epoch) {
+        return static_cast<int32_t>(static_cast<uint32_t>(tag) - epoch);
+    }
+
     // Every CTA: wait for every source's counts, build the per-expert M-block table in smem
     __device__ void build_layout() {
         const int num_le = lay.num_local_experts, num_ranks = lay.num_ranks;
@@ -613,14 +621,14 @@ struct Kernel {
             uint64_t v = 0;
             const bool ok = bounded_wait(p, sm.ctrl, Phase::kRecvCounts, i % num_ranks, [&] {
                 v = ld_acquire_peers(recv + i);
-                return (v >> 32) >= epoch;
+                return calls_ahead(v >> 32, epoch) >= 0;
             });
             if (not ok) break;
-            if ((v >> 32) > epoch) {
+            if (const int32_t ahead = calls_ahead(v >> 32, epoch); ahead > 0) {
                 // One call ahead: that peer finished this call, so this CTA has nothing left to do.
                 // Two or more: impossible in lockstep (a peer cannot finish call c + 1 before this
                 // rank signals it), so the ranks' epochs diverged (reset() on some ranks only)
-                if ((v >> 32) > epoch + 1)
+                if (ahead > 1)
                     report(p, StatusCode::kEpochMismatch, Phase::kRecvCounts, i % num_ranks, v >> 32, true, sm.ctrl);
                 sm.ctrl->late = 1;
                 break;
@@ -916,7 +924,7 @@ struct Kernel {
     __device__ void wait_combine_ready(int q) const {
         if (q >= lay.num_ranks) return;
         const auto* flag = mine<uint64_t>(lay.combine_ready) + q;
-        bounded_wait(p, sm.ctrl, Phase::kCombineWait, q, [&] { return ld_acquire_peers(flag) >= epoch; });
+        bounded_wait(p, sm.ctrl, Phase::kCombineWait, q, [&] { return calls_ahead(ld_acquire_peers(flag), epoch) >= 0; });
     }
     // 8 BF16 values of a 16-byte chunk added into FP32 sums; the sums rounded back into a chunk
     template <typename Chunk>
