@@ -351,6 +351,37 @@ def test_deleted_cache_is_compiled_again_in_process(jit_cache_dir, tmp_path, mon
         jit.init(force=True)
 
 
+def test_compiles_survive_a_thread_changing_the_environment(tmp_path):
+    """Compiles run without the GIL; a Python thread changing os.environ meanwhile (putenv frees and
+    moves the strings nvcc's environment pointed at) once crashed them within a few compiles. nvcc
+    now runs with a copy taken with the GIL held. 40 misses (stand-in nvcc) against such a thread."""
+    code = '''
+        import os, threading
+        import deep_gemm.jit as jit
+        jit.init()
+        stop = False
+        def churn():
+            i = 0
+            while not stop:
+                os.environ['DG_TEST_CHURN_%d' % i] = 'v' * (i % 50)
+                i += 1
+                if i % 500 == 0:
+                    for j in range(i - 500, i):
+                        del os.environ['DG_TEST_CHURN_%d' % j]
+        t = threading.Thread(target=churn)
+        t.start()
+        try:
+            for n in range(40):
+                jit.compile_kernel('churn', 'int x%d;' % n)
+        finally:
+            stop = True
+            t.join()
+        print('compiled 40')
+    '''
+    result = _run_python(code, {'DG_NVCC': str(_fake_nvcc(tmp_path, 0)), 'DG_JIT_CACHE_DIR': str(tmp_path / 'cache')})
+    assert result.returncode == 0 and 'compiled 40' in result.stdout, result.stdout[-1000:] + result.stderr[-2000:]
+
+
 def test_bad_nvcc_is_a_clear_error(tmp_path):
     code = '''
         import deep_gemm.jit as jit

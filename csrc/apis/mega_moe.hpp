@@ -52,10 +52,11 @@ inline void register_apis(py::module_& m) {
           py::arg("l2_weights"), py::arg("l2_weight_scales"), py::arg("l2_weight_deltas"), py::arg("stats"), py::arg("host_status"), py::arg("trace"), py::arg("stream"),
           py::arg("activation_clamp"), py::arg("fast_math"), py::arg("timeout_s"), py::arg("num_sms"),
           py::arg("max_smem_bytes"), py::arg("peers_on_this_gpu") = false, py::arg("ranks_share_gpu") = false,
-          py::arg("hbm_gbps") = -1, py::call_guard<py::gil_scoped_release>(),
+          py::arg("hbm_gbps") = -1,
           "Launch one rank's Mega MoE kernel (addresses as ints; validated by deep_gemm.mega.api). hbm_gbps:\n"
-          "the GPU's peak HBM bandwidth in GB/s (get_device_info), -1 the current device's. Runs without the\n"
-          "GIL (a first call may compile its kernel: a server's other threads run meanwhile).");
+          "the GPU's peak HBM bandwidth in GB/s (get_device_info), -1 the current device's. Holds the GIL: a\n"
+          "first call that compiles its kernel reads settings from the environment, which a Python thread\n"
+          "may change meanwhile (prepare_mega_moe compiles without it).");
 
     m.def("get_mega_moe_programmatic_launch", [] { return jit_kernels::mega_moe_programmatic_launch(); },
           "Whether the Mega MoE and staging kernels launch as programmatic dependents of the kernel before them\n"
@@ -78,17 +79,19 @@ inline void register_apis(py::module_& m) {
           py::arg("mma_type"), py::arg("num_ranks"), py::arg("num_experts"), py::arg("num_max_tokens_per_rank"),
           py::arg("num_topk"), py::arg("hidden"), py::arg("intermediate_hidden"), py::arg("buffer"), py::arg("x"),
           py::arg("x_row_stride"), py::arg("topk_idx"), py::arg("topk_weights"), py::arg("num_tokens"),
-          py::arg("num_sms"), py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
-          "Launch the input-staging kernel of SymmBuffer.stage (validated in Python; without the GIL).");
+          py::arg("num_sms"), py::arg("stream"),
+          "Launch the input-staging kernel of SymmBuffer.stage (validated in Python).");
 
     m.def("compile_mega_moe_stage",
           [](bool fp8, bool load) {
+              jit::Compiler::instance().snapshot_environment();   // with the GIL: os.environ as it is now
+              py::gil_scoped_release release;
               const auto dir = jit_kernels::compile_mega_moe_stage(fp8);
               if (load)
                   jit::get_kernel(dir, "mega_moe_stage");
               return dir.string();
           },
-          py::arg("fp8"), py::arg("load") = false, py::call_guard<py::gil_scoped_release>(),
+          py::arg("fp8"), py::arg("load") = false,
           "Compile (or fetch from the cache) the staging kernel; works without a GPU (and without the GIL). With\n"
           "load=True, also load it into the current CUDA context as its first launch would.");
 
@@ -98,11 +101,13 @@ inline void register_apis(py::module_& m) {
               jit_kernels::SM90MegaMoEVariant v{static_cast<MmaType>(mma_type), block_m, num_stages, fast_math, block_n_l2,
                                                 wide_n_min, signals_thread, cta_pair};
               v.weights_first = weights_first;
+              jit::Compiler::instance().snapshot_environment();   // with the GIL: os.environ as it is now
+              py::gil_scoped_release release;
               return v.compile().string();
           },
           py::arg("mma_type"), py::arg("block_m"), py::arg("num_stages"), py::arg("fast_math") = true,
           py::arg("block_n_l2") = kMegaMoEBlockNL2, py::arg("wide_n_min") = 64, py::arg("signals_thread") = false,
-          py::arg("cta_pair") = false, py::arg("weights_first") = false, py::call_guard<py::gil_scoped_release>(),
+          py::arg("cta_pair") = false, py::arg("weights_first") = false,
           "Compile (or fetch from DG_JIT_CACHE_DIR) one Mega MoE kernel variant for sm_90a; works without a GPU "
           "(and without the GIL: threads compile different variants in parallel). "
           "block_n_l2: the L2 task width, 128, (block_m 64) 256 / 512 or (block_m 128, fp8xfp8 / bf16xbf16) 256; wide_n_min: the narrowest transposed wide "
@@ -113,6 +118,8 @@ inline void register_apis(py::module_& m) {
     m.def("prepare_mega_moe",
           [](int mma_type, int num_ranks, int num_experts, int num_topk, int hidden, int intermediate_hidden,
              int num_tokens, int num_sms, int max_smem_bytes, bool fast_math, bool load, bool ranks_share_gpu, int hbm_gbps) {
+              jit::Compiler::instance().snapshot_environment();   // with the GIL: os.environ as it is now
+              py::gil_scoped_release release;
               return jit_kernels::prepare_sm90_mega_moe(mega_moe_mma_type(mma_type), num_ranks, num_experts, num_topk,
                                                         hidden, intermediate_hidden, num_tokens, num_sms, max_smem_bytes,
                                                         fast_math, load, ranks_share_gpu, hbm_gbps);
@@ -120,7 +127,6 @@ inline void register_apis(py::module_& m) {
           py::arg("mma_type"), py::arg("num_ranks"), py::arg("num_experts"), py::arg("num_topk"), py::arg("hidden"),
           py::arg("intermediate_hidden"), py::arg("num_tokens"), py::arg("num_sms"), py::arg("max_smem_bytes"),
           py::arg("fast_math") = true, py::arg("load") = false, py::arg("ranks_share_gpu") = false, py::arg("hbm_gbps") = -1,
-          py::call_guard<py::gil_scoped_release>(),
           "Compile the kernel variant launch_mega_moe would launch for these arguments (works without a GPU,\n"
           "and without the GIL: a server's other threads run meanwhile) and, with load=True, load it into the\n"
           "current CUDA context as its first launch would (module load, shared-memory opt-in). Returns the\n"

@@ -69,10 +69,11 @@ inline void register_apis(py::module_& m) {
           "('' for none). Also (re)reads DG_NVCC and DG_JIT_CACHE_DIR. Called by `deep_gemm.jit.init()`.");
     m.def("compile",
           [](const std::string& name, const std::string& source, const std::vector<std::string>& extra_flags) {
+              jit::Compiler::instance().snapshot_environment();   // with the GIL: os.environ as it is now
+              py::gil_scoped_release release;
               return jit::compile(name, source, extra_flags).string();
           },
           py::arg("name"), py::arg("source"), py::arg("extra_flags") = std::vector<std::string>{},
-          py::call_guard<py::gil_scoped_release>(),
           "Compile CUDA `source` for sm_90a with nvcc, or find it in the JIT cache; return the cache\n"
           "directory holding `kernel.cubin` (and `kernel.cu`). `name` (letters, digits, '_') prefixes the\n"
           "directory; `extra_flags` are appended to nvcc's command line and are part of the cache key.\n"

@@ -106,7 +106,8 @@ inline std::string join_command(const std::vector<std::string>& argv) {
 // posix_spawn (not system/popen): no shell, so paths need no quoting, and it is safe in a
 // multi-threaded process (torch and Python threads) where fork-then-exec is not. Both output
 // streams go into one CLOEXEC pipe that we drain until EOF, so a chatty child cannot block.
-inline ProcessResult run_process(const std::vector<std::string>& argv) {
+// `env`: the child's environment ("NAME=value" entries), the process's own when null
+inline ProcessResult run_process(const std::vector<std::string>& argv, const std::vector<std::string>* env = nullptr) {
     int fds[2];
     if (pipe2(fds, O_CLOEXEC) != 0)
         raise_runtime_error("pipe2 failed: ", std::strerror(errno));
@@ -122,8 +123,14 @@ inline ProcessResult run_process(const std::vector<std::string>& argv) {
         c_argv.push_back(const_cast<char*>(arg.c_str()));
     c_argv.push_back(nullptr);
 
+    std::vector<char*> c_env;
+    if (env != nullptr) {
+        for (const auto& kv : *env)
+            c_env.push_back(const_cast<char*>(kv.c_str()));
+        c_env.push_back(nullptr);
+    }
     pid_t pid = 0;
-    const int spawn_error = posix_spawnp(&pid, c_argv[0], &actions, nullptr, c_argv.data(), environ);
+    const int spawn_error = posix_spawnp(&pid, c_argv[0], &actions, nullptr, c_argv.data(), env != nullptr ? c_env.data() : environ);
     posix_spawn_file_actions_destroy(&actions);
     close(fds[1]);
     ProcessResult result;
@@ -227,7 +234,20 @@ public:
         header_digest_.clear();
         memory_cache_.clear();
         ++generation_;
+        env_ = environment();
         initialized_ = true;
+    }
+
+    // The process environment as the compiler uses it: nvcc runs with this copy and the JIT's own
+    // settings (DG_JIT_DEBUG, DG_JIT_PTXAS_VERBOSE, nvcc's NVCC_* variables) are read from it, never
+    // from `environ` during a compile, which runs without the GIL: a Python thread changing
+    // os.environ meanwhile would free strings under a reader. Taken by init() and by every Python-side
+    // compile request before it releases the GIL (callers hold the GIL: Python changes `environ`
+    // only with it held)
+    void snapshot_environment() {
+        std::vector<std::string> env = environment();
+        std::lock_guard<std::mutex> lock(mutex_);
+        env_ = std::move(env);
     }
 
     // Bumped by init() and set_cache_dir(): launchers that remember compiled directories across
@@ -274,8 +294,14 @@ public:
     // nvcc command line and hashed with it.
     fs::path compile(const std::string& name, const std::string& source, const std::vector<std::string>& extra_flags = {}) {
         check_kernel_name(name);
-        const bool debug = get_env_flag("DG_JIT_DEBUG");
-        const bool ptxas_verbose = get_env_flag("DG_JIT_PTXAS_VERBOSE");
+        bool debug, ptxas_verbose;
+        std::vector<std::string> env;   // the snapshot nvcc runs with
+        {
+            std::lock_guard<std::mutex> lock(mutex_);
+            debug = env_flag_locked("DG_JIT_DEBUG");
+            ptxas_verbose = env_flag_locked("DG_JIT_PTXAS_VERBOSE");
+            env = env_;
+        }
 
         // In-process hit: launchers may call compile() on every call, so the first lookup is keyed
         // by the request itself (one std::hash of the source, ~0.2 us) rather than by SHA-256.
@@ -321,7 +347,7 @@ public:
             // nvcc's own environment variables change its output as its flags do (hashed where set:
             // keys without them stay as they were)
             for (const char* var : {"NVCC_APPEND_FLAGS", "NVCC_PREPEND_FLAGS", "NVCC_CCBIN"})
-                if (const std::string v = get_env(var); not v.empty())
+                if (const std::string v = env_value_locked(var); not v.empty())
                     hasher.update_field(std::string(var) + "=" + v);
             // 128 bits of the digest: a short directory name, still collision-free in practice
             key = name + "_" + hasher.hex_digest().substr(0, 32);
@@ -380,7 +406,7 @@ public:
 
         const auto start = std::chrono::steady_clock::now();
         num_invocations_.fetch_add(1);
-        const ProcessResult result = run_process(argv);
+        const ProcessResult result = run_process(argv, &env);
         const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
         const std::string problem = result.exit_code == 0 ? cubin_problem(cubin_path(tmp_dir)) : "";
@@ -441,7 +467,7 @@ private:
         if (nvcc_.empty())
             raise_runtime_error("nvcc not found: set CUDA_HOME to a CUDA 12.8+ toolkit (or DG_NVCC to its nvcc) "
                                 "and call deep_gemm.jit.init()");
-        const ProcessResult result = run_process({nvcc_.string(), "--version"});
+        const ProcessResult result = run_process({nvcc_.string(), "--version"}, &env_);
         if (result.exit_code != 0)
             raise_runtime_error("`", nvcc_.string(), " --version` failed (exit status ", result.exit_code, "): ",
                                 result.output, "\nset CUDA_HOME (or DG_NVCC) to a CUDA 12.8+ toolkit");
@@ -487,7 +513,28 @@ private:
                             ": ", rename_ec.message());
     }
 
+    static std::vector<std::string> environment() {
+        std::vector<std::string> env;
+        for (char** e = environ; e != nullptr and *e != nullptr; ++e)
+            env.emplace_back(*e);
+        return env;
+    }
+    // A variable of the snapshot ("" when unset or empty, as get_env), and a flag as get_env_flag reads one
+    std::string env_value_locked(const std::string& name) const {
+        for (const auto& kv : env_)
+            if (kv.size() > name.size() and kv.compare(0, name.size(), name) == 0 and kv[name.size()] == '=')
+                return kv.substr(name.size() + 1);
+        return "";
+    }
+    bool env_flag_locked(const std::string& name) const {
+        std::string value = env_value_locked(name);
+        for (auto& c : value)
+            c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+        return value == "1" or value == "true" or value == "yes" or value == "on";
+    }
+
     mutable std::mutex mutex_;
+    std::vector<std::string> env_;   // snapshot_environment()
     bool initialized_ = false;
     bool cache_dir_overridden_ = false;
     fs::path include_dir_, cuda_home_, cutlass_include_, nvcc_, cache_dir_;

@@ -35,7 +35,9 @@ template <typename... Args>
 }
 
 // `DG_*` settings are read where they are used (not cached) so that a test or a user can flip
-// them between calls; getenv is ~50 ns and is only called on cold paths (compilation, init).
+// them between calls; getenv is ~50 ns and is only called on cold paths (init, with the GIL held).
+// A compile (which may run without the GIL) reads its settings from the compiler's copy of the
+// environment instead (Compiler::snapshot_environment).
 inline std::string get_env(const char* name, const std::string& fallback = "") {
     const char* value = std::getenv(name);
     return (value != nullptr and value[0] != '\0') ? std::string(value) : fallback;

@@ -324,8 +324,9 @@ def prepare_mega_moe_kernels(sym_buffer: SymmBuffer, num_tokens: Union[None, int
             num_max_tokens_per_rank, an int, or an iterable of ints in that range.
         fast_math: as the calls will pass it.
 
-    A call that finds its kernel neither compiled nor loaded compiles it inside the call (minutes for
-    a cold cache; the GIL is released meanwhile, as here).
+    A call that finds its kernel neither compiled nor loaded compiles it inside the call, holding the
+    GIL (minutes for a cold cache); this compiles with the GIL released, so a server's other threads
+    run meanwhile.
 
     Also loads `SymmBuffer.stage`'s kernel and makes the buffer's pinned status mirror. On a CPU buffer
     (no GPU): compiles only, the variants an H200 and an H100 would launch. Returns the kernels'
