@@ -382,6 +382,35 @@ def test_compiles_survive_a_thread_changing_the_environment(tmp_path):
     assert result.returncode == 0 and 'compiled 40' in result.stdout, result.stdout[-1000:] + result.stderr[-2000:]
 
 
+def test_stale_temporary_directories_are_removed(tmp_path):
+    # A compile that never finished (its process killed) leaves its build directory under tmp/: a
+    # process's first cache miss removes those a day old, not younger ones (a compile in progress)
+    cache = tmp_path / 'cache'
+    old, young = cache / 'tmp' / 'k_old.1.0', cache / 'tmp' / 'k_young.2.0'
+    for d in (old, young):
+        d.mkdir(parents=True)
+        (d / 'kernel.cu').write_text('int x;')
+    two_days_ago = os.path.getmtime(young) - 2 * 24 * 3600
+    os.utime(old, (two_days_ago, two_days_ago))
+    code = '''
+        import deep_gemm.jit as jit
+        jit.compile_kernel('k', 'int y;')
+    '''
+    result = _run_python(code, {'DG_NVCC': str(_fake_nvcc(tmp_path, 0)), 'DG_JIT_CACHE_DIR': str(cache)})
+    assert result.returncode == 0, result.stderr
+    assert not old.exists() and young.exists()
+
+
+def test_cache_without_a_home_is_per_user(tmp_path):
+    # No HOME (systemd units, some containers): not a directory every user can write cubins into
+    env = {k: v for k, v in os.environ.items() if k not in ('HOME', 'DG_JIT_CACHE_DIR')}
+    code = 'import deep_gemm.jit as jit; from deep_gemm import _C; jit.init(); print(_C.get_cache_dir())'
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, cwd=REPO_ROOT,
+                         env=dict(env, PYTHONPATH=REPO_ROOT), timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert os.path.basename(out.stdout.strip()) == f'deep_gemm-{os.getuid()}'
+
+
 def test_bad_nvcc_is_a_clear_error(tmp_path):
     code = '''
         import deep_gemm.jit as jit

@@ -381,6 +381,7 @@ public:
             fs::remove_all(final_dir, ec);
         }
 
+        remove_stale_temporaries(cache_root / "tmp");
         // Miss: build in a private temporary directory on the same file system, then rename. Its name
         // is unique across processes and hosts sharing the cache (a PID alone repeats across containers)
         static std::atomic<uint64_t> sequence{0};
@@ -434,6 +435,21 @@ public:
 private:
     Compiler() = default;
 
+    // Temporary build directories left by compiles that never finished (a killed process): removed
+    // once a day old (no compile takes that long), at most once per process
+    static void remove_stale_temporaries(const fs::path& tmp_root) {
+        static std::atomic<bool> done{false};
+        if (done.exchange(true))
+            return;
+        std::error_code ec;
+        const auto cutoff = fs::file_time_type::clock::now() - std::chrono::hours(24);
+        for (fs::directory_iterator it(tmp_root, ec), end; not ec and it != end; it.increment(ec)) {
+            std::error_code entry_ec;
+            if (fs::last_write_time(it->path(), entry_ec) < cutoff and not entry_ec)
+                fs::remove_all(it->path(), entry_ec);
+        }
+    }
+
     static void check_kernel_name(const std::string& name) {
         const bool valid = not name.empty() and name.size() <= 128 and
             std::all_of(name.begin(), name.end(), [](char c) { return std::isalnum(static_cast<unsigned char>(c)) or c == '_'; });
@@ -447,7 +463,9 @@ private:
         if (not env_dir.empty())
             return env_dir;
         const std::string home = get_env("HOME");
-        return home.empty() ? fs::temp_directory_path() / "deep_gemm" : fs::path(home) / ".deep_gemm";
+        // Without a home (systemd units, some containers): a directory of this user's in the shared
+        // temporary directory, not one every user of the machine can write cubins into
+        return home.empty() ? fs::temp_directory_path() / ("deep_gemm-" + std::to_string(getuid())) : fs::path(home) / ".deep_gemm";
     }
 
     std::vector<std::string> flags_locked(const std::vector<std::string>& extra_flags) const {
