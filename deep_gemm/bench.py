@@ -433,19 +433,14 @@ def run_cpu_reference(reps: int = CPU_REPS) -> Dict[str, object]:
 # Outputs
 # --------------------------------------------------------------------------------------------------
 
-def _reps_of(argv: Optional[Sequence[str]]) -> int:
-    """The timed replays per row of the run with these arguments."""
-    return parse_args(argv).reps
-
-
-def run_metadata(argv: Optional[Sequence[str]], mode: str) -> Dict[str, object]:
-    """What the JSON records about the run besides its rows."""
+def run_metadata(argv: Optional[Sequence[str]], mode: str, reps: Optional[int] = None) -> Dict[str, object]:
+    """What the JSON records about the run besides its rows (`reps`: the timed replays per row, where timed)."""
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     return dict(mode=mode, gpu=gpu, torch=torch.__version__, python=platform.python_version(),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
                 command=' '.join(['python -m deep_gemm.bench', *(sys.argv[1:] if argv is None else argv)]),
                 hbm_bytes_per_s=HBM_BYTES_PER_S, peak_flops=dict(PEAK_FLOPS), decode_target_slack_us=DECODE_TARGET_SLACK_US,
-                reps=_reps_of(argv), l2_flush_bytes=L2_FLUSH_BYTES)
+                reps=reps, l2_flush_bytes=L2_FLUSH_BYTES)
 
 
 def write_json(path: str, rows: Sequence[Dict[str, object]], meta: Dict[str, object]) -> None:
@@ -533,7 +528,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print()
         print(format_table(rows))
     if args.json:
-        write_json(args.json, rows, run_metadata(argv, mode))
+        write_json(args.json, rows, run_metadata(argv, mode, args.reps if mode == 'gpu' else None))
         print(f'# wrote {args.json}')
     if args.plot:
         if mode == 'gpu' and plot_rows(rows, args.plot, title=run_metadata(argv, mode)['gpu'] or ''):

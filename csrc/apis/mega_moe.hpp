@@ -14,6 +14,7 @@ namespace deep_gemm::apis::mega_moe {
 namespace py = pybind11;
 
 inline void register_apis(py::module_& m) {
+    m.attr("kMaxTimeoutSeconds") = jit_kernels::kMegaMoEMaxTimeoutSeconds;   // deep_gemm.set_timeout's bound
     m.def("launch_mega_moe",
           [](int mma_type, const std::vector<int64_t>& buffers, int rank, int num_experts, int num_max_tokens_per_rank,
              int num_topk, int hidden, int intermediate_hidden, int num_tokens, int64_t y, int64_t l1_weights,
@@ -29,8 +30,8 @@ inline void register_apis(py::module_& m) {
               if (num_tokens < 0 or num_tokens > num_max_tokens_per_rank)
                   throw std::invalid_argument("num_tokens: expected 0 <= num_tokens <= num_max_tokens_per_rank = " +
                                               std::to_string(num_max_tokens_per_rank));
-              // (deep_gemm.set_timeout's range; a NaN would not survive the conversion to nanoseconds)
-              if (not (timeout_s > 0.0 and timeout_s <= 1e6))
+              // (deep_gemm.set_timeout's range; a NaN or inf would not survive the conversion to nanoseconds)
+              if (not (timeout_s > 0.0 and timeout_s <= jit_kernels::kMegaMoEMaxTimeoutSeconds))
                   throw std::invalid_argument("timeout_s: expected a number of seconds in (0, 1e6], got " + std::to_string(timeout_s));
               // The combine indexes y's 16-byte chunks in int32
               if (static_cast<int64_t>(num_tokens) * (hidden / 8) >= (int64_t(1) << 31))

@@ -295,12 +295,10 @@ public:
     fs::path compile(const std::string& name, const std::string& source, const std::vector<std::string>& extra_flags = {}) {
         check_kernel_name(name);
         bool debug, ptxas_verbose;
-        std::vector<std::string> env;   // the snapshot nvcc runs with
         {
             std::lock_guard<std::mutex> lock(mutex_);
-            debug = env_flag_locked("DG_JIT_DEBUG");
-            ptxas_verbose = env_flag_locked("DG_JIT_PTXAS_VERBOSE");
-            env = env_;
+            debug = is_env_flag_on(env_value_locked("DG_JIT_DEBUG"));
+            ptxas_verbose = is_env_flag_on(env_value_locked("DG_JIT_PTXAS_VERBOSE"));
         }
 
         // In-process hit: launchers may call compile() on every call, so the first lookup is keyed
@@ -315,6 +313,7 @@ public:
         // Snapshot the settings and the key under the lock; compile outside it so that threads
         // compiling different kernels do not serialise on one another.
         std::vector<std::string> flag_list;
+        std::vector<std::string> env;   // the snapshot nvcc runs with
         fs::path cache_root, nvcc;
         std::string key;
         {
@@ -332,6 +331,7 @@ public:
             if (ptxas_verbose)
                 all_extra.insert(all_extra.end(), {"-Xptxas", "-v"});
             flag_list = flags_locked(all_extra);
+            env = env_;
             nvcc = nvcc_;
             cache_root = cache_dir_;
 
@@ -537,18 +537,12 @@ private:
             env.emplace_back(*e);
         return env;
     }
-    // A variable of the snapshot ("" when unset or empty, as get_env), and a flag as get_env_flag reads one
+    // A variable of the snapshot ("" when unset or empty, as get_env)
     std::string env_value_locked(const std::string& name) const {
         for (const auto& kv : env_)
             if (kv.size() > name.size() and kv.compare(0, name.size(), name) == 0 and kv[name.size()] == '=')
                 return kv.substr(name.size() + 1);
         return "";
-    }
-    bool env_flag_locked(const std::string& name) const {
-        std::string value = env_value_locked(name);
-        for (auto& c : value)
-            c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-        return value == "1" or value == "true" or value == "yes" or value == "on";
     }
 
     mutable std::mutex mutex_;

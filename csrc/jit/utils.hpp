@@ -44,11 +44,11 @@ inline std::string get_env(const char* name, const std::string& fallback = "") {
 }
 
 // "1", "true", "yes", "on" (any case) enable a flag; anything else, or unset, leaves it off.
-inline bool get_env_flag(const char* name) {
-    std::string value = get_env(name);
+inline bool is_env_flag_on(std::string value) {
     for (auto& c : value)
         c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
     return value == "1" or value == "true" or value == "yes" or value == "on";
 }
+inline bool get_env_flag(const char* name) { return is_env_flag_on(get_env(name)); }
 
 }  // namespace deep_gemm::jit

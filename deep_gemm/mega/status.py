@@ -33,7 +33,7 @@ _ERROR, _ABORT = _C.kStatusError, _C.kStatusAbort
 _timeout_s: Optional[float] = None   # set_timeout's
 # The longest bound accepted (~11.6 days): the kernels count it in uint64 nanoseconds, and some waits
 # wait twice the bound, so it stays far below 2^63 ns; inf or a larger number would wrap to ~0 there
-MAX_TIMEOUT_S = 1e6
+MAX_TIMEOUT_S = _C.kMaxTimeoutSeconds
 
 
 def _env_timeout() -> Optional[float]:

@@ -20,7 +20,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from ..utils.quant import dequant_per_token_fp8, per_token_cast_to_fp8
+from ..utils.quant import FP8_E4M3_MAX, dequant_per_token_fp8, per_token_cast_to_fp8
 from .reference import calc_diff
 
 # --------------------------------------------------------------------------------------------------
@@ -288,15 +288,12 @@ GEMM_MODES = (GEMM_SCALED, GEMM_ROWWISE, GEMM_GROUPED, GEMM_LOOP)
 # benchmark's 1e-2 mismatch line); grouped vs loop on the same BF16 operands differ only in
 # accumulation order.
 _SELECT_TOLERANCE = {GEMM_SCALED: 1e-3, GEMM_ROWWISE: 5e-3, GEMM_GROUPED: 1e-4}
-E4M3_MAX = 448.0
-
-
 def rowwise_cast_to_fp8(t: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """E4M3 with one float32 scale per row (over the last dim): (q, scale) with t ~ q * scale[..., None]
     (the decode scale torch's rowwise scaled GEMMs multiply by). An all-zero row gets scale 1."""
     amax = t.float().abs().amax(dim=-1)
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-    q = (t.float() / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    scale = torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))
+    q = (t.float() / scale[..., None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     return q, scale
 
 
@@ -373,12 +370,12 @@ class TorchMoEBaseline:
         r = route(topk_idx, topk_weights, self.num_experts)
         if mode == GEMM_SCALED:
             h = self._scaled_gemm(x[r.token_of_row], x_sf[r.token_of_row], 0, r)
-        elif mode == GEMM_ROWWISE:
-            x_dense = x if x_sf is None else dequant_per_token_fp8(x, x_sf)
-            h = self._rowwise_gemm(x_dense[r.token_of_row], 0, r)
         else:
             x_dense = x if x_sf is None else dequant_per_token_fp8(x, x_sf)
-            h = self._gemm(x_dense.to(self.dtype)[r.token_of_row], 0, r, mode)
+            if mode == GEMM_ROWWISE:
+                h = self._rowwise_gemm(x_dense[r.token_of_row], 0, r)
+            else:
+                h = self._gemm(x_dense.to(self.dtype)[r.token_of_row], 0, r, mode)
         gate, up = h[:, :self.intermediate].float(), h[:, self.intermediate:].float()
         act = F.silu(gate) * up * r.weight_of_row[:, None]
         if mode == GEMM_SCALED:

@@ -562,7 +562,7 @@ def run(args, argv: Optional[Sequence[str]] = None) -> int:
     """
     from .. import bench
     config = dict(shapes=list(args.shapes), formats=list(args.formats), tokens=list(args.tokens), reps=args.reps,
-                  seed=bench.SEED, json=args.json, plot=args.plot, meta=bench.run_metadata(argv, 'gpu-ep'))
+                  seed=bench.SEED, json=args.json, plot=args.plot, meta=bench.run_metadata(argv, 'gpu-ep', args.reps))
     env = torchrun_env()
     if env is not None:
         rank, world_size, _ = env

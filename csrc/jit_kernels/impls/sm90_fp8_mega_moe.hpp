@@ -4,7 +4,6 @@
 // config becomes template arguments), tensor maps, launch. Shapes stay run-time values, so a
 // handful of variants (format x BLOCK_M x stages x fast math x L2 task width) cover every model.
 
-#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cmath>
@@ -270,6 +269,10 @@ inline int select_mega_moe_ws_l2_lead() {
     const int set = mega_moe_ws_l2_lead_override().load(std::memory_order_relaxed);
     return set >= 0 ? set : env_lead >= 0 ? env_lead : 0;
 }
+
+// The longest spin-wait bound a call accepts (~11.6 days; deep_gemm.set_timeout's range is (0, this]):
+// the kernels count it in uint64 nanoseconds and some waits wait twice the bound
+constexpr double kMegaMoEMaxTimeoutSeconds = 1e6;
 
 // Peak HBM bandwidth (GB/s) of the current device, for the heuristic's bandwidth-dependent choices
 // where the caller does not pass it (the Python launcher does, from its cached device info: no driver
@@ -579,9 +582,7 @@ inline MegaMoEConfig launch_sm90_mega_moe(const SM90MegaMoEArgs& a) {
     params.cumulative_local_expert_recv_stats = reinterpret_cast<int*>(a.stats);
     params.activation_clamp = a.activation_clamp > 0 and std::isfinite(a.activation_clamp)
                                   ? static_cast<float>(a.activation_clamp) : INFINITY;
-    // The Python side bounds it to (0, 1e6] s; clamped here too, since inf or ~1e10 s would not fit
-    // (a double past 2^64 converts to an undefined value, and some waits wait twice the bound)
-    params.timeout_ns = static_cast<uint64_t>(std::clamp(a.timeout_s, 1e-6, 1e6) * 1e9);
+    params.timeout_ns = static_cast<uint64_t>(a.timeout_s * 1e9);   // in (0, kMegaMoEMaxTimeoutSeconds]: the binding's check
     params.host_status = reinterpret_cast<uint64_t*>(a.host_status);
     params.trace = reinterpret_cast<uint64_t*>(a.trace);
     params.ws_plan = variant.weights_first ? select_mega_moe_ws_plan() : 0;
